@@ -1,0 +1,41 @@
+"""keras_tapeops: full control of gradients in Keras 3 without giving up `fit()`.
+
+Example:
+```python
+import keras_tapeops as kt
+model = kt.upgrade(model)
+model.compile(optimizer="adam", loss="mse",
+              gradient_transforms=[kt.ClipByNorm(1.0, where="head*")])
+model.fit(x, y)
+```
+"""
+
+from keras_tapeops.backend_check import require_tensorflow_backend
+
+require_tensorflow_backend()
+
+from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
+from keras_tapeops.terms.base import Term  # noqa: E402
+from keras_tapeops.terms.base import TermContext  # noqa: E402
+from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
+from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
+from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
+from keras_tapeops.upgrade import upgrade  # noqa: E402
+
+# -- gradient transforms (issue 3) --
+# -- loss terms (issue 4) --
+# -- gradient penalties and WGAN-GP (issue 5) --
+# -- accumulation (issue 6) --
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # -- exports: keep sorted within each block --
+    "GradientTransform",
+    "TapeOpsFunctional",
+    "TapeOpsMixin",
+    "TapeOpsSequential",
+    "Term",
+    "TermContext",
+    "upgrade",
+]

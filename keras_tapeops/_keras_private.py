@@ -1,0 +1,81 @@
+"""The only module that touches private Keras attributes.
+
+Keras 3 has no public API for these few things; each function says why it
+needs the private name, so that a Keras upgrade breaks in one place only.
+"""
+
+import contextlib
+
+import keras
+
+
+def loss_tracker(model):
+    """Returns the `Mean` metric behind the logged `loss` (`model._loss_tracker`).
+
+    Stock `train_step` updates it directly; a replacement step must too, or
+    `loss` disappears from History and the progress bar.
+    """
+    return model._loss_tracker
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training):
+    """Calls `model.compute_loss` like stock `train_step` does.
+
+    `Trainer._compute_loss` passes `training=` only to `compute_loss`
+    overrides that accept it (the argument is newer than some user code).
+    """
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def call_model(model, x, training):
+    """Calls the model forward the way stock `train_step` does.
+
+    `_call_has_training_arg` tells whether `call()` accepts `training=`.
+    """
+    if model._call_has_training_arg:
+        return model(x, training=training)
+    return model(x)
+
+
+@contextlib.contextmanager
+def optimizer_all_reduce_disabled(optimizer):
+    """Stops `optimizer` from all-reducing gradients inside this block.
+
+    The TensorFlow optimizer sums gradients across replicas in
+    `_all_reduce_sum_gradients`. keras_tapeops all-reduces once itself
+    (gradient transforms must see the aggregated gradient), so the optimizer
+    must not do it a second time. Patches the instance (and the inner
+    optimizer of a LossScaleOptimizer) and restores it on exit.
+    """
+    targets = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        targets.append(inner)
+    for target in targets:
+        target._all_reduce_sum_gradients = _identity_all_reduce
+    try:
+        yield
+    finally:
+        for target in targets:
+            del target._all_reduce_sum_gradients
+
+
+def _identity_all_reduce(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def is_loss_scale_optimizer(optimizer):
+    """True for Keras's `LossScaleOptimizer` (public class, checked here for clarity)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def is_functional(model):
+    """True for a model built from inputs/outputs (`keras.src.models.Functional`).
+
+    Keras exports no public name for the functional model class.
+    """
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)

@@ -1,0 +1,400 @@
+"""`TapeOpsMixin`: the keras_tapeops training step as a pipeline of hooks.
+
+train_step:  unpack -> compute_gradients (forward in tape, loss + terms, track,
+             scale, gradient; split into micro-batches if asked)
+             -> update_weights (accumulate across batches if asked)
+             -> apply_optimizer_step (aggregate -> transform_gradients -> apply)
+             -> compute_metrics
+test_step:   unpack -> compute_total_loss (forward, loss + terms, track)
+             -> compute_metrics
+
+With no keras_tapeops option every hook reduces to the stock Keras step.
+"""
+
+import contextlib
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import _keras_private as private
+from keras_tapeops import capture
+from keras_tapeops.options import OPTION_NAMES
+from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.terms.base import TermContext
+
+
+class TapeOpsMixin:
+    """Mix into a Keras model (first base) to get keras_tapeops options in `compile()`.
+
+    The mixin is a plain class, not a `keras.Model`, so Keras can still build
+    functional models from a class that lists it before `keras.Model`.
+
+    Example:
+    ```python
+    class Net(kt.TapeOpsMixin, keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net.compile(optimizer="adam", loss="mse",
+                gradient_transforms=[kt.ClipByNorm(1.0)])
+    net.fit(x, y)
+    ```
+    """
+
+    # ------------------------------------------------------------------ compile
+    def compile(
+        self,
+        *args,
+        gradient_transforms=None,
+        loss_terms=None,
+        micro_batches=1,
+        accumulation_steps=1,
+        **kwargs,
+    ):
+        """Stock `compile()` plus the keras_tapeops options.
+
+        Args:
+            *args, **kwargs: everything stock `keras.Model.compile` takes.
+            gradient_transforms: list of `kt.GradientTransform`, applied in
+                order to the true (unscaled, replica-aggregated) gradients.
+            loss_terms: list of loss terms added inside the training tape.
+            micro_batches: split every batch into this many micro-batches.
+            accumulation_steps: batches per optimizer step.
+
+        Returns:
+            None. Raises before changing anything if an option is invalid.
+        """
+        options = TapeOpsOptions(
+            gradient_transforms=gradient_transforms,
+            loss_terms=loss_terms,
+            micro_batches=micro_batches,
+            accumulation_steps=accumulation_steps,
+        )
+        super().compile(*args, **kwargs)
+        options.create_trackers()
+        # A plain object attribute: Keras's tracker ignores it, so the term
+        # metrics are listed once, through the `metrics` property below.
+        self._tapeops = options
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        options = getattr(self, "_tapeops", None)
+        if config and options is not None:
+            config.update(options.get_config())
+        return config
+
+    def compile_from_config(self, config):
+        config = dict(config)
+        ours = {k: config.pop(k) for k in OPTION_NAMES if k in config}
+        stock = keras.saving.deserialize_keras_object(config)
+        self.compile(**stock, **TapeOpsOptions.kwargs_from_config(ours))
+        if self.built and self.optimizer is not None:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def tapeops_options(self):
+        """The validated keras_tapeops options of the last `compile()` (or None)."""
+        return getattr(self, "_tapeops", None)
+
+    @property
+    def metrics(self):
+        metrics = super().metrics
+        options = getattr(self, "_tapeops", None)
+        if options is not None and self.compiled:
+            metrics = metrics + list(options.term_trackers.values())
+        return metrics
+
+    # ---------------------------------------------------------------- building
+    def make_train_function(self, force=False):
+        self.build_tapeops()
+        return super().make_train_function(force=force)
+
+    def make_test_function(self, force=False):
+        self.build_tapeops()
+        return super().make_test_function(force=force)
+
+    def build_tapeops(self):
+        """Resolves selectors, layers and state against the built model, once.
+
+        Called before the first step; all configuration errors surface here,
+        before any weight changes.
+        """
+        options = getattr(self, "_tapeops", None)
+        if options is None or options.built:
+            return
+        variables = list(self.trainable_variables)
+        for transform in options.transforms:
+            transform.build(self, variables)
+        for term in options.terms:
+            term.build(self)
+        _check_term_names_against_metrics(self, options)
+        if options.accumulation_steps > 1:
+            from keras_tapeops import accumulation
+
+            with self.distribute_strategy.scope():
+                options.accumulator = accumulation.CrossBatchAccumulator(
+                    self, options.accumulation_steps
+                )
+        options.built = True
+
+    # -------------------------------------------------------------- the steps
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.trainable_weights:
+            warnings.warn("The model does not have any trainable weights.")
+            _, y_pred = self.compute_total_loss(x, y, sample_weight, training=True)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        grads, y_pred = self.compute_gradients(x, y, sample_weight)
+        self.update_weights(grads, batch_size(x))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        _, y_pred = self.compute_total_loss(x, y, sample_weight, training=False)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # ------------------------------------------------------------------ hooks
+    def compute_gradients(self, x, y, sample_weight):
+        """Returns `(gradients, y_pred)` for one batch (split if `micro_batches`).
+
+        Gradients are those of the optimizer-scaled loss, per replica, one per
+        trainable variable.
+        """
+        options = self._tapeops_options_or_default()
+        if options.micro_batches > 1:
+            from keras_tapeops import accumulation
+
+            return accumulation.micro_batch_gradients(
+                self, x, y, sample_weight, options.micro_batches
+            )
+        return self.batch_gradients(x, y, sample_weight)
+
+    def batch_gradients(self, x, y, sample_weight, loss_multiplier=None):
+        """One forward/backward pass: returns `(gradients, y_pred)`.
+
+        Args:
+            x, y, sample_weight: the (micro-)batch.
+            loss_multiplier: optional scalar the loss is multiplied by before
+                differentiation (after logging), e.g. `n_micro / n_batch`.
+        """
+        with tf.GradientTape() as tape:
+            loss, y_pred = self.compute_total_loss(
+                x, y, sample_weight, training=True
+            )
+            if loss_multiplier is not None:
+                loss = loss * tf.cast(loss_multiplier, loss.dtype)
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, self.trainable_weights)
+        return grads, y_pred
+
+    def compute_total_loss(self, x, y, sample_weight, training):
+        """Forward pass, `compute_loss` plus loss terms, and loss logging.
+
+        Returns:
+            `(loss, y_pred)`: the replica-scaled total loss (not yet
+            optimizer-scaled) and the model's outputs.
+        """
+        options = self._tapeops_options_or_default()
+        terms = options.active_terms(training)
+        with self._forward_recorder(terms, x) as recorder:
+            y_pred = private.call_model(self, x, training)
+        loss = private.compute_loss(self, x, y, y_pred, sample_weight, training)
+        n = batch_size(x)
+        if terms:
+            context = TermContext(
+                self, x, y, y_pred, sample_weight, training,
+                recorder["activations"], recorder["tape"], recorder["watched"],
+            )
+            values = self.compute_terms(terms, context)
+            for term, value in zip(terms, values):
+                options.term_trackers[term.name].update_state(value, sample_weight=n)
+            loss = loss + tf.cast(
+                scale_for_distribution(tf.add_n(values)), loss.dtype
+            )
+        private.loss_tracker(self).update_state(
+            unscale_for_distribution(loss), sample_weight=n
+        )
+        return loss, y_pred
+
+    def compute_terms(self, terms, context):
+        """Returns `weight * value` (float32 scalar) of each term, in order.
+
+        Override to add terms computed from `context` without a Term class.
+        """
+        step = self.optimizer.iterations if self.optimizer is not None else 0
+        return [
+            tf.cast(term.weight_at(step), "float32")
+            * tf.cast(term.call(context), "float32")
+            for term in terms
+        ]
+
+    def update_weights(self, grads, n_samples):
+        """Applies `grads` now, or adds them to the cross-batch window."""
+        options = self._tapeops_options_or_default()
+        if options.accumulator is not None:
+            options.accumulator.add(self, grads, n_samples)
+        else:
+            self.apply_optimizer_step(grads, self.trainable_weights)
+
+    def apply_optimizer_step(self, grads, variables):
+        """Aggregates, transforms and applies `grads` with the optimizer.
+
+        Without gradient transforms this is the stock `apply_gradients` call.
+        With them, transforms see unscaled (mixed precision) gradients summed
+        over replicas (one all-reduce; the optimizer's own is skipped), and a
+        non-finite step still reaches the LossScaleOptimizer as non-finite.
+        """
+        options = self._tapeops_options_or_default()
+        optimizer = self.optimizer
+        if not options.transforms:
+            optimizer.apply_gradients(zip(grads, variables))
+            return
+        grads, reduced = self.aggregate_gradients(grads)
+        loss_scaled = private.is_loss_scale_optimizer(optimizer)
+        if loss_scaled:
+            scale = optimizer.dynamic_scale
+            grads = [_map_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
+        new_grads = self.transform_gradients(grads, variables)
+        if loss_scaled:
+            finite = _all_finite(grads)
+            new_grads = [
+                _keep_if_finite(finite, new, old) for new, old in zip(new_grads, grads)
+            ]
+            new_grads = [
+                _map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in new_grads
+            ]
+        guard = (
+            private.optimizer_all_reduce_disabled(optimizer)
+            if reduced
+            else contextlib.nullcontext()
+        )
+        with guard:
+            optimizer.apply_gradients(zip(new_grads, variables))
+
+    def aggregate_gradients(self, grads):
+        """Sums `grads` over replicas once; returns `(grads, was_reduced)`."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return list(grads), False
+        present = [g for g in grads if g is not None]
+        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return [None if g is None else next(reduced) for g in grads], True
+
+    def transform_gradients(self, grads, variables):
+        """Applies the compiled gradient transforms in list order.
+
+        Override in a subclass to change gradients without rewriting the step.
+
+        Args:
+            grads: list of true gradients (None and IndexedSlices allowed).
+            variables: the matching trainable variables.
+
+        Returns:
+            The list of transformed gradients.
+        """
+        for transform in self._tapeops_options_or_default().transforms:
+            grads = list(transform(grads, variables))
+        return grads
+
+    # ---------------------------------------------------------------- helpers
+    def _tapeops_options_or_default(self):
+        options = getattr(self, "_tapeops", None)
+        if options is None:
+            options = TapeOpsOptions()
+        return options
+
+    @contextlib.contextmanager
+    def _forward_recorder(self, terms, x):
+        layers = [layer for term in terms for layer in term.layers_to_capture()]
+        wants_input_grads = any(term.needs_input_gradients for term in terms)
+        record = {"activations": {}, "tape": None, "watched": None}
+        with capture.recording_outputs(layers) as activations:
+            record["activations"] = activations
+            if not wants_input_grads:
+                yield record
+                return
+            flat = tf.nest.flatten(x)
+            watched = [
+                t is not None and tf.as_dtype(t.dtype).is_floating for t in flat
+            ]
+            with tf.GradientTape(
+                persistent=True, watch_accessed_variables=False
+            ) as tape:
+                for tensor, watch in zip(flat, watched):
+                    if watch:
+                        tape.watch(tensor)
+                record["tape"] = tape
+                record["watched"] = watched
+                yield record
+
+
+def batch_size(x):
+    """Number of samples in `x` (first dimension of its first tensor)."""
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def num_replicas():
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def scale_for_distribution(value):
+    """Divides by the number of replicas, as Keras scales losses."""
+    n = num_replicas()
+    if n > 1:
+        value = value * tf.cast(1.0 / n, value.dtype)
+    return value
+
+
+def unscale_for_distribution(value):
+    """Multiplies by the number of replicas, as Keras does before logging."""
+    n = num_replicas()
+    if n > 1:
+        value = value * tf.cast(n, value.dtype)
+    return value
+
+
+def _map_values(grad, fn):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def _all_finite(grads):
+    checks = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in grads
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def _keep_if_finite(finite, new, old):
+    """`new` where the step is finite, else the original non-finite `old`."""
+    if new is None or old is None:
+        return new
+    if isinstance(new, tf.IndexedSlices) and isinstance(old, tf.IndexedSlices):
+        if new.values.shape == old.values.shape:
+            return tf.IndexedSlices(
+                tf.where(finite, new.values, old.values), new.indices, new.dense_shape
+            )
+    return tf.where(finite, tf.convert_to_tensor(new), tf.convert_to_tensor(old))
+
+
+def _check_term_names_against_metrics(model, options):
+    taken = {m.name for m in keras.Model.metrics.fget(model)} if model.compiled else set()
+    for term in options.terms:
+        if term.name in taken:
+            raise ValueError(
+                f"Loss term name {term.name!r} clashes with a metric of the "
+                f"model ({sorted(taken)}). Received: name={term.name!r}"
+            )

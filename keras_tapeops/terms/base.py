@@ -1,0 +1,174 @@
+"""The loss-term protocol and the per-step context terms read from.
+
+A term is computed inside the training tape, from the same forward pass as the
+task loss. The step adds `weight * value` to the loss and logs `weight * value`
+under the term's `name` (epoch sample-weighted mean, like `loss`).
+"""
+
+import keras
+import tensorflow as tf
+
+
+class TermContext:
+    """What a term can read during one step.
+
+    Attributes:
+        model: the model being trained.
+        x, y, sample_weight: the (micro-)batch, unpacked.
+        y_pred: the model's output from the step's single forward pass.
+        training: True in `train_step`, False in `test_step`.
+    """
+
+    def __init__(
+        self, model, x, y, y_pred, sample_weight, training, activations,
+        input_tape=None, watched_inputs=None,
+    ):
+        self.model = model
+        self.x = x
+        self.y = y
+        self.y_pred = y_pred
+        self.sample_weight = sample_weight
+        self.training = training
+        self._activations = activations
+        self._input_tape = input_tape
+        self._watched_inputs = watched_inputs
+
+    def activations(self, layer):
+        """Returns the list of output tensors `layer` produced in this forward pass.
+
+        Every call of the layer counts, and a layer with several outputs
+        contributes each output tensor.
+        """
+        return list(self._activations.get(id(layer), []))
+
+    def input_gradients(self, target=None):
+        """Gradient of `target` (default: sum of all outputs) w.r.t. the inputs.
+
+        Available when the term sets `needs_input_gradients = True`; the
+        forward pass then ran under an inner tape watching the float inputs.
+        The result has the structure of `x` (None for non-float inputs) and is
+        differentiable w.r.t. the weights (the outer tape records it).
+        """
+        if self._input_tape is None:
+            raise ValueError(
+                "input_gradients() needs a term with needs_input_gradients=True."
+            )
+        if target is None:
+            target = tf.add_n(
+                [tf.reduce_sum(tf.cast(t, "float32"))
+                 for t in tf.nest.flatten(self.y_pred)]
+            )
+        flat = tf.nest.flatten(self.x)
+        watched = self._watched_inputs
+        grads = self._input_tape.gradient(
+            target, [t for t, w in zip(flat, watched) if w]
+        )
+        it = iter(grads)
+        merged = [next(it) if w else None for w in watched]
+        return tf.nest.pack_sequence_as(self.x, merged)
+
+
+class Term:
+    """Base class of everything passed to `compile(loss_terms=[...])`.
+
+    Subclasses implement `call(context) -> scalar` (the unweighted value) and
+    extend `get_config()`.
+
+    Args:
+        weight: a number, a `keras.optimizers.schedules.LearningRateSchedule`,
+            or a callable `step -> number`, evaluated at the optimizer's step.
+        name: the name logged in History and the progress bar.
+        in_validation: whether `evaluate()`/validation computes the term,
+            logs it as `val_<name>` and counts it in `val_loss`.
+
+    Example:
+    ```python
+    class MeanOutput(kt.Term):
+        def call(self, context):
+            return keras.ops.mean(context.y_pred)
+    ```
+    """
+
+    needs_input_gradients = False
+
+    def __init__(self, weight=1.0, name=None, in_validation=True):
+        self.weight = validate_weight(weight)
+        if name is None:
+            name = _default_name(type(self).__name__)
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"`name` must be a non-empty string. Received: name={name!r}"
+            )
+        if not isinstance(in_validation, bool):
+            raise TypeError(
+                "`in_validation` must be a bool. "
+                f"Received: in_validation={in_validation!r}"
+            )
+        self.name = name
+        self.in_validation = in_validation
+
+    def build(self, model):
+        """Resolves what the term needs from `model` (raise ValueError if absent)."""
+
+    def layers_to_capture(self):
+        """Layers whose outputs the forward pass must record for this term."""
+        return []
+
+    def call(self, context):
+        """Returns the unweighted scalar value of the term."""
+        raise NotImplementedError(f"{type(self).__name__} must implement call().")
+
+    def weight_at(self, step):
+        """Returns the weight at optimizer step `step` as a float32 tensor."""
+        weight = self.weight
+        if isinstance(weight, keras.optimizers.schedules.LearningRateSchedule) or (
+            callable(weight)
+        ):
+            weight = weight(step)
+        return tf.cast(weight, "float32")
+
+    def get_config(self):
+        return {
+            "weight": serialize_weight(self.weight),
+            "name": self.name,
+            "in_validation": self.in_validation,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["weight"] = deserialize_weight(config["weight"])
+        return cls(**config)
+
+
+def validate_weight(weight):
+    """Checks a term weight: a number, a schedule or a callable."""
+    if isinstance(weight, bool) or not (
+        isinstance(weight, (int, float)) or callable(weight)
+    ):
+        raise TypeError(
+            "`weight` must be a number, a LearningRateSchedule or a callable "
+            f"step -> number. Received: weight={weight!r}"
+        )
+    return weight
+
+
+def serialize_weight(weight):
+    if isinstance(weight, (int, float)):
+        return weight
+    return keras.saving.serialize_keras_object(weight)
+
+
+def deserialize_weight(config):
+    if isinstance(config, (int, float)):
+        return config
+    return keras.saving.deserialize_keras_object(config)
+
+
+def _default_name(class_name):
+    out = []
+    for i, ch in enumerate(class_name):
+        if ch.isupper() and i:
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
