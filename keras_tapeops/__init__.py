@@ -24,6 +24,8 @@ from keras_tapeops.upgrade import upgrade  # noqa: E402
 
 # -- gradient transforms (issue 3) --
 # -- loss terms (issue 4) --
+from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
+from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 # -- gradient penalties and WGAN-GP (issue 5) --
 # -- accumulation (issue 6) --
 
@@ -31,7 +33,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     # -- exports: keep sorted within each block --
+    "ActivationPenalty",  # issue 4
     "GradientTransform",
+    "LossTerm",  # issue 4
     "TapeOpsFunctional",
     "TapeOpsMixin",
     "TapeOpsSequential",

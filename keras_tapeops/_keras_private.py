@@ -79,3 +79,23 @@ def is_functional(model):
     from keras.src.models.functional import Functional
 
     return isinstance(model, Functional)
+
+
+def direct_sublayers(layer):
+    """Returns the layers directly tracked by `layer` (`layer._flatten_layers`).
+
+    `Model.layers` is public, but a plain custom `Layer` that owns other layers
+    exposes them only through this private helper; loss terms need it to
+    resolve paths such as "block/dense" into layers nested in custom layers.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def all_layers(model):
+    """Every layer inside `model`, nested ones included, without `model` itself.
+
+    Keras 3 has no public recursive layer walk (`model.layers` lists only the
+    direct children); `_flatten_layers` is what Keras itself uses to collect
+    weights. Used by `where=` selectors (issue 3) to find nested layers.
+    """
+    return list(model._flatten_layers(include_self=False, recursive=True))

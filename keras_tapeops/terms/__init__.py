@@ -1,0 +1,8 @@
+"""Loss terms for `compile(loss_terms=[...])`: the protocol and the built-in terms."""
+
+from keras_tapeops.terms.activation import ActivationPenalty
+from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.custom import LossTerm
+
+__all__ = ["ActivationPenalty", "LossTerm", "Term", "TermContext"]
