@@ -23,6 +23,9 @@ from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
 
 # -- gradient transforms (issue 3) --
+from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
+from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
+from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
 # -- loss terms (issue 4) --
 from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
@@ -33,6 +36,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     # -- exports: keep sorted within each block --
+    "ClipByGlobalNorm",  # issue 3
+    "ClipByNorm",  # issue 3
+    "ClipByValue",  # issue 3
     "ActivationPenalty",  # issue 4
     "GradientTransform",
     "LossTerm",  # issue 4

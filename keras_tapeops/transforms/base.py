@@ -36,8 +36,7 @@ class GradientTransform:
     def __init__(self, where=None):
         from keras_tapeops import selectors
 
-        selectors.validate_selector(where)
-        self.where = where
+        self.where = selectors.validate_selector(where)
         self.selected = None
 
     def build(self, model, variables):
@@ -71,4 +70,33 @@ class GradientTransform:
 
     @classmethod
     def from_config(cls, config):
+        """Rebuilds the transform from `get_config()` output."""
+        from keras_tapeops import selectors
+
+        config = dict(config)
+        if "where" in config:
+            config["where"] = selectors.deserialize_selector(config["where"])
         return cls(**config)
+
+    def selection(self, n):
+        """Returns `self.selected`, or all True when `where=None` and not built.
+
+        Args:
+            n: the number of gradients.
+
+        Returns:
+            A list of `n` bools.
+        """
+        if self.selected is not None:
+            if len(self.selected) != n:
+                raise ValueError(
+                    f"{type(self).__name__} was built on {len(self.selected)} "
+                    f"variables but received {n} gradients."
+                )
+            return self.selected
+        if self.where is None:
+            return [True] * n
+        raise ValueError(
+            f"{type(self).__name__} with where={self.where!r} must be built "
+            "on a model before use: call transform.build(model, variables)."
+        )
