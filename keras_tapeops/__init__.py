@@ -30,6 +30,9 @@ from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
 from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 # -- gradient penalties and WGAN-GP (issue 5) --
+from keras_tapeops.gan import WGANGP  # noqa: E402
+from keras_tapeops.penalty import gradient_penalty  # noqa: E402
+from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
 # -- accumulation (issue 6) --
 
 __version__ = "0.1.0"
@@ -40,6 +43,7 @@ __all__ = [
     "ClipByNorm",  # issue 3
     "ClipByValue",  # issue 3
     "ActivationPenalty",  # issue 4
+    "GradientPenalty",  # issue 5
     "GradientTransform",
     "LossTerm",  # issue 4
     "TapeOpsFunctional",
@@ -48,4 +52,6 @@ __all__ = [
     "Term",
     "TermContext",
     "upgrade",
+    "WGANGP",  # issue 5
+    "gradient_penalty",  # issue 5
 ]
