@@ -120,20 +120,27 @@ class TapeOpsMixin:
         return super().make_test_function(force=force)
 
     def build_tapeops(self):
-        """Resolves selectors, layers and state against the built model, once.
+        """Resolves terms, selectors and state against the model, once.
 
-        Called before the first step; all configuration errors surface here,
-        before any weight changes.
+        Called before the first step and again inside the first traced step:
+        terms resolve their layers as soon as they exist; transforms and
+        accumulators wait until the model's variables exist (a model that is
+        built lazily by its first call). Every configuration error surfaces
+        here, before any weight changes.
         """
         options = getattr(self, "_tapeops", None)
         if options is None or options.built:
             return
+        if not options.terms_built:
+            for term in options.terms:
+                term.build(self)
+            _check_term_names_against_metrics(self, options)
+            options.terms_built = True
+        if not self.built:
+            return
         variables = list(self.trainable_variables)
         for transform in options.transforms:
             transform.build(self, variables)
-        for term in options.terms:
-            term.build(self)
-        _check_term_names_against_metrics(self, options)
         if options.accumulation_steps > 1:
             from keras_tapeops import accumulation
 
@@ -146,16 +153,18 @@ class TapeOpsMixin:
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if not self.trainable_weights:
-            warnings.warn("The model does not have any trainable weights.")
-            _, y_pred = self.compute_total_loss(x, y, sample_weight, training=True)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        self.build_tapeops()
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
-        self.update_weights(grads, batch_size(x))
+        self.build_tapeops()  # completes now if the forward pass built the model
+        if self.trainable_weights:
+            self.update_weights(grads, batch_size(x))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.build_tapeops()
         _, y_pred = self.compute_total_loss(x, y, sample_weight, training=False)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

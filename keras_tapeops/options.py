@@ -53,6 +53,7 @@ class TapeOpsOptions:
         )
         self.term_trackers = {}
         self.accumulator = None
+        self.terms_built = False
         self.built = False
 
     @property
