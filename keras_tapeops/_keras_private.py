@@ -5,6 +5,7 @@ needs the private name, so that a Keras upgrade breaks in one place only.
 """
 
 import contextlib
+import threading
 
 import keras
 
@@ -48,18 +49,35 @@ def optimizer_all_reduce_disabled(optimizer):
     (gradient transforms must see the aggregated gradient), so the optimizer
     must not do it a second time. Patches the instance (and the inner
     optimizer of a LossScaleOptimizer) and restores it on exit.
+
+    Re-entrant: under MirroredStrategy every replica thread enters this block
+    on the same optimizer, and they leave it in any order after the
+    optimizer's merge_call; the patch stays until the last one leaves.
     """
     targets = [optimizer]
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
         targets.append(inner)
-    for target in targets:
-        target._all_reduce_sum_gradients = _identity_all_reduce
+    with _PATCH_LOCK:
+        for target in targets:
+            depth = _PATCH_DEPTH.get(id(target), 0)
+            if depth == 0:
+                target._all_reduce_sum_gradients = _identity_all_reduce
+            _PATCH_DEPTH[id(target)] = depth + 1
     try:
         yield
     finally:
-        for target in targets:
-            del target._all_reduce_sum_gradients
+        with _PATCH_LOCK:
+            for target in targets:
+                depth = _PATCH_DEPTH.pop(id(target)) - 1
+                if depth:
+                    _PATCH_DEPTH[id(target)] = depth
+                else:
+                    del target._all_reduce_sum_gradients
+
+
+_PATCH_LOCK = threading.Lock()
+_PATCH_DEPTH = {}  # id(optimizer) -> how many blocks are open on it
 
 
 def _identity_all_reduce(grads_and_vars):

@@ -265,10 +265,20 @@ class TapeOpsMixin:
         if not options.transforms:
             optimizer.apply_gradients(zip(grads, variables))
             return
+        if not optimizer.built:
+            # Stock apply_gradients builds lazily on the first trace; the
+            # loss scale must exist before the transforms read it.
+            optimizer.build(variables)
         grads, reduced = self.aggregate_gradients(grads)
         loss_scaled = private.is_loss_scale_optimizer(optimizer)
         if loss_scaled:
             scale = optimizer.dynamic_scale
+        elif optimizer.loss_scale_factor is not None:
+            # A static `loss_scale_factor`: its apply() divides it out again.
+            scale = optimizer.loss_scale_factor
+        else:
+            scale = None
+        if scale is not None:
             grads = [_map_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
         new_grads = self.transform_gradients(grads, variables)
         if loss_scaled:
@@ -276,6 +286,7 @@ class TapeOpsMixin:
             new_grads = [
                 _keep_if_finite(finite, new, old) for new, old in zip(new_grads, grads)
             ]
+        if scale is not None:
             new_grads = [
                 _map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in new_grads
             ]
