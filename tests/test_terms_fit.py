@@ -35,8 +35,15 @@ def penalty_value(hidden):
     return BETA * tf.reduce_mean(tf.square(tf.cast(hidden, "float32")))
 
 
-def oracle_fit(weights, x, y, weight_fn=None, mixed=False, with_term=True):
-    """Hand-written loop; returns (final weights, per-epoch term means, losses)."""
+def oracle_fit(
+    weights, x, y, weight_fn=None, mixed=False, with_term=True, term_fn=None
+):
+    """Hand-written loop; returns (final weights, per-epoch term means, losses).
+
+    The term is `weight_fn(step) * term_fn(hidden, logits)`, by default
+    `BETA * mean(square(hidden))`.
+    """
+    term_fn = term_fn or (lambda hidden, logits: penalty_value(hidden))
     model = make_stock_model()
     model.set_weights(weights)
     optimizer = keras.optimizers.Adam(0.01)
@@ -55,7 +62,7 @@ def oracle_fit(weights, x, y, weight_fn=None, mixed=False, with_term=True):
             with tf.GradientTape() as tape:
                 hidden = hidden_layer(xb, training=True)
                 logits = out_layer(hidden, training=True)
-                term = (weight / BETA) * penalty_value(hidden)
+                term = (weight / BETA) * term_fn(hidden, logits)
                 loss = loss_fn(yb, logits) + (term if with_term else 0.0)
                 scaled = optimizer.scale_loss(loss)
             grads = tape.gradient(scaled, model.trainable_weights)
@@ -318,3 +325,83 @@ def test_activation_penalty_never_runs_the_layer_twice():
     with_term = count_calls_in_fit([kt.ActivationPenalty("hidden", l2=1.0)])
     assert without >= 1
     assert with_term == without
+
+
+@keras.saving.register_keras_serializable(package="keras_tapeops_tests")
+def mean_square_logits(model, x, y, y_pred):
+    """A registered LossTerm function: BETA * mean(square(y_pred)) in float32."""
+    return BETA * tf.reduce_mean(tf.square(tf.cast(y_pred, "float32")))
+
+
+def logits_term(hidden, logits):
+    return BETA * tf.reduce_mean(tf.square(tf.cast(logits, "float32")))
+
+
+@pytest.mark.parametrize("variant", ["plain", "mirrored", "mixed_float16", "jit_spe"])
+def test_loss_term_matches_hand_written_loop(variant, request):
+    x, y = make_data()
+    weights = initial_weights()
+    strategy, kwargs = None, {}
+    if variant == "mixed_float16":
+        keras.config.set_dtype_policy("mixed_float16")
+    elif variant == "mirrored":
+        strategy = request.getfixturevalue("mirrored")
+    elif variant == "jit_spe":
+        kwargs = {"jit_compile": True, "steps_per_execution": 2}
+    expected, term_means, loss_means = oracle_fit(
+        weights, x, y, term_fn=logits_term, mixed=variant == "mixed_float16"
+    )
+    term = kt.LossTerm(mean_square_logits, name="logits_sq")
+    model, history = tapeops_fit(weights, x, y, term=term, strategy=strategy, **kwargs)
+    assert_weights_close(model.get_weights(), expected, atol=1e-5)
+    np.testing.assert_allclose(history["logits_sq"], term_means, rtol=1e-4)
+    np.testing.assert_allclose(history["loss"], loss_means, rtol=1e-4)
+
+
+def compile_with_terms(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss_terms=[
+            kt.ActivationPenalty(
+                "hidden", l2=BETA, name="act",
+                weight=keras.optimizers.schedules.ExponentialDecay(1.0, 5, 0.5),
+            ),
+            kt.LossTerm(mean_square_logits, weight=0.1, name="logits_sq",
+                        in_validation=False),
+        ],
+    )
+
+
+def test_save_and_load_keep_the_terms(tmp_path):
+    x, y = make_data()
+    model = kt.upgrade(make_stock_model())
+    compile_with_terms(model)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    path = str(tmp_path / "terms.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, kt.TapeOpsFunctional)
+    terms = loaded.tapeops_options.terms
+    assert [type(t) for t in terms] == [kt.ActivationPenalty, kt.LossTerm]
+    assert [t.get_config() for t in terms] == [
+        t.get_config() for t in model.tapeops_options.terms
+    ]
+    assert terms[1].fn is mean_square_logits
+    # Both continue identically: same weights, optimizer state and terms.
+    h1 = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    h2 = loaded.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert_weights_close(loaded.get_weights(), model.get_weights(), atol=1e-6)
+    assert h1.keys() == h2.keys()
+    for key in ("act", "logits_sq", "loss"):
+        np.testing.assert_allclose(h2[key], h1[key], rtol=1e-6)
+
+
+def test_saving_an_unregistered_fn_fails_clearly(tmp_path):
+    model = kt.upgrade(make_stock_model())
+    model.compile(
+        optimizer="adam", loss="mse",
+        loss_terms=[kt.LossTerm(lambda m, x, y, p: tf.reduce_mean(p), name="lam")],
+    )
+    with pytest.raises(ValueError, match=r"'lam' cannot be saved.*register_keras_serializable.*Received: fn="):
+        model.save(str(tmp_path / "lam.keras"))
