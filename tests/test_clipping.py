@@ -1,0 +1,242 @@
+"""Unit and property tests of ClipByValue, ClipByNorm and ClipByGlobalNorm."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_tapeops as kt
+from keras_tapeops.transforms.base import GradientTransform
+
+SEEDS = range(8)
+CLASSES = [kt.ClipByValue, kt.ClipByNorm, kt.ClipByGlobalNorm]
+
+
+def random_grads(seed, scale=None):
+    """A few gradients of mixed shapes and magnitudes (some big, some small)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 4), (4,), (2, 2, 3), ()]
+    scale = scale if scale is not None else 10.0 ** rng.uniform(-2, 1, len(shapes))
+    return [
+        tf.constant(rng.normal(size=s) * k, "float32")
+        for s, k in zip(shapes, np.broadcast_to(scale, len(shapes)))
+    ]
+
+
+def norm(g):
+    return float(np.linalg.norm(np.asarray(tf.convert_to_tensor(g)).ravel()))
+
+
+def global_norm(grads):
+    return float(np.sqrt(sum(norm(g) ** 2 for g in grads)))
+
+
+def fake_vars(grads):
+    return [
+        tf.Variable(0.0 if g is None else tf.zeros_like(tf.convert_to_tensor(g)))
+        for g in grads
+    ]
+
+
+def apply(transform, grads):
+    return transform(grads, fake_vars(grads))
+
+
+def assert_all_close(actual, expected, tol=1e-6):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(
+            np.asarray(tf.convert_to_tensor(a)),
+            np.asarray(tf.convert_to_tensor(e)), rtol=tol, atol=tol,
+        )
+
+
+# ------------------------------------------------------------ against TF/NumPy
+def test_matches_tf_and_numpy():
+    for seed in SEEDS:
+        grads = random_grads(seed)
+        assert_all_close(
+            apply(kt.ClipByNorm(0.7), grads),
+            [tf.clip_by_norm(g, 0.7) for g in grads],
+        )
+        assert_all_close(
+            apply(kt.ClipByGlobalNorm(0.7), grads),
+            tf.clip_by_global_norm(grads, 0.7)[0],
+        )
+        assert_all_close(
+            apply(kt.ClipByValue(0.3), grads),
+            [np.clip(g.numpy(), -0.3, 0.3) for g in grads],
+        )
+
+
+def test_comparison_can_fail():
+    grads = random_grads(0, scale=5.0)
+    per_tensor = apply(kt.ClipByNorm(1.0), grads)
+    together = apply(kt.ClipByGlobalNorm(1.0), grads)
+    with pytest.raises(AssertionError):
+        assert_all_close(per_tensor, together)
+
+
+# ----------------------------------------------------------------- properties
+def test_norm_after_clipping_is_within_bound():
+    bound = 0.5
+    for seed in SEEDS:
+        grads = random_grads(seed)
+        for g in apply(kt.ClipByNorm(bound), grads):
+            assert norm(g) <= bound * (1 + 1e-6)
+        clipped = apply(kt.ClipByGlobalNorm(bound), grads)
+        assert global_norm(clipped) <= bound * (1 + 1e-6)
+        for g in apply(kt.ClipByValue(bound), grads):
+            assert np.max(np.abs(g.numpy())) <= bound
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_clipping_twice_changes_nothing(cls):
+    transform = cls(0.5)
+    for seed in SEEDS:
+        once = apply(transform, random_grads(seed))
+        assert_all_close(apply(transform, once), once)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_under_the_bound_is_identity(cls):
+    grads = random_grads(1, scale=1e-3)
+    assert_all_close(apply(cls(10.0), grads), grads, tol=0)
+
+
+def test_chain_equals_parts_applied_by_hand():
+    model = kt.upgrade(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    model.compile(
+        optimizer="sgd", loss="mse",
+        gradient_transforms=[
+            kt.ClipByValue(0.8), kt.ClipByNorm(1.0), kt.ClipByGlobalNorm(0.6)
+        ],
+    )
+    for seed in SEEDS:
+        grads = random_grads(seed)
+        # Each part written out in NumPy, applied in list order.
+        expected = [np.clip(g.numpy(), -0.8, 0.8) for g in grads]
+        expected = [e / max(np.linalg.norm(e), 1.0) for e in expected]
+        total = np.sqrt(sum(np.sum(e * e) for e in expected))
+        expected = [e * 0.6 / max(total, 0.6) for e in expected]
+        chained = model.transform_gradients(grads, fake_vars(grads))
+        assert_all_close(chained, expected, tol=1e-5)
+
+
+# ------------------------------------------------------------------ selection
+def test_only_selected_gradients_change_and_none_passes_through():
+    grads = random_grads(2, scale=5.0) + [None]
+    transform = kt.ClipByGlobalNorm(0.1, where="ignored-when-built")
+    transform.selected = [True, False, True, False, True]
+    out = apply(transform, grads)
+    assert out[4] is None
+    assert_all_close([out[1], out[3]], [grads[1], grads[3]], tol=0)
+    assert global_norm([out[0], out[2]]) == pytest.approx(0.1, rel=1e-5)
+    for cls in (kt.ClipByValue, kt.ClipByNorm):
+        t = cls(0.1)
+        t.selected = [False, True, False, True, True]
+        out = apply(t, grads)
+        assert_all_close([out[0], out[2]], [grads[0], grads[2]], tol=0)
+        assert out[4] is None
+
+
+def test_unbuilt_transform_with_selector_explains():
+    with pytest.raises(ValueError, match="must be built"):
+        apply(kt.ClipByNorm(1.0, where="head*"), random_grads(0))
+
+
+def test_build_resolves_where_on_a_model():
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(2, name="body")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    transform = kt.ClipByNorm(1.0, where="head*")
+    transform.build(model, model.trainable_variables)
+    assert transform.selected == [False, False, True, True]
+
+
+# ------------------------------------------------------------- sparse grads
+def sparse_with_repeats():
+    values = tf.constant([[3.0, -4.0], [1.0, 1.0], [3.0, -4.0], [0.5, 0.0]])
+    indices = tf.constant([2, 0, 2, 4])
+    return tf.IndexedSlices(values, indices, tf.constant([6, 2]))
+
+
+def test_sparse_norms_sum_repeated_rows_first():
+    sparse = sparse_with_repeats()
+    dense = tf.convert_to_tensor(sparse)
+    var = tf.Variable(tf.zeros((6, 2)))
+    for transform in (kt.ClipByNorm(2.0), kt.ClipByGlobalNorm(2.0)):
+        [out] = transform([sparse], [var])
+        assert isinstance(out, tf.IndexedSlices)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(out), tf.clip_by_norm(dense, 2.0), rtol=1e-6
+        )
+    # tf.clip_by_norm on the raw slices sees a smaller norm (repeats unsummed).
+    naive = tf.convert_to_tensor(tf.clip_by_norm(sparse, 2.0))
+    assert not np.allclose(naive, tf.clip_by_norm(dense, 2.0))
+
+
+def test_sparse_value_clip_acts_on_summed_rows():
+    sparse = sparse_with_repeats()
+    [out] = kt.ClipByValue(2.5)([sparse], [tf.Variable(tf.zeros((6, 2)))])
+    assert isinstance(out, tf.IndexedSlices)
+    expected = np.clip(tf.convert_to_tensor(sparse).numpy(), -2.5, 2.5)
+    np.testing.assert_allclose(tf.convert_to_tensor(out), expected, rtol=1e-6)
+
+
+def test_sparse_mixed_with_dense_global_norm():
+    sparse = sparse_with_repeats()
+    dense_g = tf.constant([1.0, 2.0])
+    vars_ = [tf.Variable(tf.zeros((6, 2))), tf.Variable(tf.zeros(2))]
+    out = kt.ClipByGlobalNorm(1.0)([sparse, dense_g], vars_)
+    expected = tf.clip_by_global_norm([tf.convert_to_tensor(sparse), dense_g], 1.0)[0]
+    assert_all_close(out, expected)
+
+
+# -------------------------------------------------------------- argument checks
+BAD_THRESHOLDS = [
+    (-1.0, ValueError, "-1.0"),
+    (0, ValueError, "0.0"),
+    (float("nan"), ValueError, "nan"),
+    (float("inf"), ValueError, "inf"),
+    ("1.0", TypeError, "'1.0' of type str"),
+    (True, TypeError, "True of type bool"),
+    (None, TypeError, "None of type NoneType"),
+]
+
+
+@pytest.mark.parametrize("cls, arg", [
+    (kt.ClipByValue, "clip_value"),
+    (kt.ClipByNorm, "clip_norm"),
+    (kt.ClipByGlobalNorm, "clip_norm"),
+])
+def test_bad_threshold(cls, arg):
+    for bad, error, shown in BAD_THRESHOLDS:
+        with pytest.raises(error, match=rf"`{arg}`.*Received: {arg}={shown}"):
+            cls(bad)
+    with pytest.raises(TypeError, match=r"Received: where=5 of type int"):
+        cls(1.0, where=5)
+
+
+def test_numpy_and_int_thresholds_are_accepted():
+    assert kt.ClipByNorm(np.float32(2.0)).clip_norm == 2.0
+    assert kt.ClipByValue(1).clip_value == 1.0
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("cls", CLASSES)
+def test_config_round_trip(cls):
+    for where in (None, "head*", ["a", "*/bias"], {"layer_name": "head"}):
+        transform = cls.from_config({**cls(0.25).get_config(), "where": where})
+        config = transform.get_config()
+        assert config["where"] == where
+        restored = cls.from_config(config)
+        assert type(restored) is cls
+        assert restored.get_config() == config
+        serialized = keras.saving.serialize_keras_object(transform)
+        assert serialized["registered_name"] == f"keras_tapeops>{cls.__name__}"
+        again = keras.saving.deserialize_keras_object(serialized)
+        assert again.get_config() == config
+
+
+def test_all_clippers_are_gradient_transforms():
+    assert all(issubclass(cls, GradientTransform) for cls in CLASSES)
