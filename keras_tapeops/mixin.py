@@ -55,6 +55,7 @@ class TapeOpsMixin:
         loss_terms=None,
         micro_batches=1,
         accumulation_steps=1,
+        batch_norm_updates="large_batch",
         **kwargs,
     ):
         """Stock `compile()` plus the keras_tapeops options.
@@ -66,6 +67,8 @@ class TapeOpsMixin:
             loss_terms: list of loss terms added inside the training tape.
             micro_batches: split every batch into this many micro-batches.
             accumulation_steps: batches per optimizer step.
+            batch_norm_updates: `"large_batch"` or `"per_micro_batch"`: how
+                BatchNormalization moving statistics follow `micro_batches`.
 
         Returns:
             None. Raises before changing anything if an option is invalid.
@@ -75,6 +78,7 @@ class TapeOpsMixin:
             loss_terms=loss_terms,
             micro_batches=micro_batches,
             accumulation_steps=accumulation_steps,
+            batch_norm_updates=batch_norm_updates,
         )
         super().compile(*args, **kwargs)
         options.create_trackers()
@@ -111,6 +115,20 @@ class TapeOpsMixin:
         return metrics
 
     # ---------------------------------------------------------------- building
+    def fit(self, *args, **kwargs):
+        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
+
+        A window cut short by the end of an epoch is applied before
+        validation and before other callbacks' `on_epoch_end` (see
+        `keras_tapeops.accumulation.AccumulationFlush`).
+        """
+        options = getattr(self, "_tapeops", None)
+        if options is not None and options.accumulation_steps > 1:
+            from keras_tapeops import accumulation
+
+            args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
+        return super().fit(*args, **kwargs)
+
     def make_train_function(self, force=False):
         self.build_tapeops()
         return super().make_train_function(force=force)
@@ -141,13 +159,15 @@ class TapeOpsMixin:
         variables = list(self.trainable_variables)
         for transform in options.transforms:
             transform.build(self, variables)
-        if options.accumulation_steps > 1:
+        if options.micro_batches > 1 or options.accumulation_steps > 1:
             from keras_tapeops import accumulation
 
-            with self.distribute_strategy.scope():
-                options.accumulator = accumulation.CrossBatchAccumulator(
-                    self, options.accumulation_steps
-                )
+            accumulation.check_model(self, options)
+            if options.accumulation_steps > 1:
+                with self.distribute_strategy.scope():
+                    options.accumulator = accumulation.CrossBatchAccumulator(
+                        self, options.accumulation_steps
+                    )
         options.built = True
 
     # -------------------------------------------------------------- the steps

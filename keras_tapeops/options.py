@@ -10,7 +10,10 @@ OPTION_NAMES = (
     "loss_terms",
     "micro_batches",
     "accumulation_steps",
+    "batch_norm_updates",
 )
+
+BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
 
 
 class TapeOpsOptions:
@@ -21,6 +24,10 @@ class TapeOpsOptions:
         loss_terms: list of `Term`.
         micro_batches: int >= 1, splits of every batch.
         accumulation_steps: int >= 1, batches per optimizer step.
+        batch_norm_updates: with `micro_batches > 1`, how BatchNormalization
+            moving statistics are updated: `"large_batch"` (one update with
+            the whole batch's statistics, as stock Keras on the large batch)
+            or `"per_micro_batch"` (one update per micro-batch).
 
     Returns:
         An options object; raises ValueError/TypeError naming the argument.
@@ -37,6 +44,7 @@ class TapeOpsOptions:
         loss_terms=None,
         micro_batches=1,
         accumulation_steps=1,
+        batch_norm_updates="large_batch",
     ):
         self.transforms = _validate_list(
             gradient_transforms, GradientTransform, "gradient_transforms",
@@ -50,6 +58,9 @@ class TapeOpsOptions:
         self.micro_batches = validate_positive_int(micro_batches, "micro_batches")
         self.accumulation_steps = validate_positive_int(
             accumulation_steps, "accumulation_steps"
+        )
+        self.batch_norm_updates = validate_choice(
+            batch_norm_updates, "batch_norm_updates", BATCH_NORM_UPDATES
         )
         self.term_trackers = {}
         self.accumulator = None
@@ -87,6 +98,7 @@ class TapeOpsOptions:
             ],
             "micro_batches": self.micro_batches,
             "accumulation_steps": self.accumulation_steps,
+            "batch_norm_updates": self.batch_norm_updates,
         }
 
     @staticmethod
@@ -111,6 +123,15 @@ def validate_positive_int(value, name):
     if value < 1:
         raise ValueError(
             f"`{name}` must be a positive integer (>= 1). Received: {name}={value}"
+        )
+    return value
+
+
+def validate_choice(value, name, choices):
+    """Returns `value` if it is one of `choices` (strings), else raises naming `name`."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {list(choices)}. Received: {name}={value!r}"
         )
     return value
 

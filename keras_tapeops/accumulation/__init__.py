@@ -1,0 +1,39 @@
+"""Gradient accumulation: `compile(micro_batches=k)` and `compile(accumulation_steps=k)`.
+
+- `micro_batch_gradients` (micro_batches.py): one batch, split into k
+  micro-batches run one after the other, one optimizer step.
+- `CrossBatchAccumulator` (cross_batch.py): k consecutive batches, one step.
+- `AccumulationFlush` (flush.py): applies a window cut short by the epoch end.
+- batch_norm.py: BatchNormalization moving statistics under micro-batching.
+"""
+
+from keras_tapeops.accumulation.batch_norm import check_batch_norm_layers
+from keras_tapeops.accumulation.cross_batch import CrossBatchAccumulator
+from keras_tapeops.accumulation.flush import AccumulationFlush
+from keras_tapeops.accumulation.flush import add_flush_callback
+from keras_tapeops.accumulation.micro_batches import micro_batch_gradients
+from keras_tapeops.accumulation.splitting import micro_batch_sizes
+
+
+def check_model(model, options):
+    """Raises (before any step) if `model` cannot honour the accumulation options.
+
+    Args:
+        model: the compiled keras_tapeops model.
+        options: its `TapeOpsOptions`.
+
+    Returns:
+        None.
+    """
+    if options.micro_batches > 1:
+        check_batch_norm_layers(model, options.batch_norm_updates)
+
+
+__all__ = [
+    "AccumulationFlush",
+    "CrossBatchAccumulator",
+    "add_flush_callback",
+    "check_model",
+    "micro_batch_gradients",
+    "micro_batch_sizes",
+]

@@ -1,0 +1,94 @@
+"""Applies an accumulation window cut short by the end of an epoch.
+
+With `accumulation_steps=k` and an epoch of b batches, the last `b % k`
+batches form a short window. `AccumulationFlush` applies it (averaged over
+the samples it saw) as soon as the epoch's training batches are done: in
+`on_test_begin` when `fit()` validates, else in `on_epoch_end`, and in
+`on_train_end` (a fit stopped early). It runs before the other callbacks, so
+`ModelCheckpoint`, `BackupAndRestore` and validation see the flushed weights.
+`on_epoch_begin` and `on_train_begin` start a fresh window.
+
+`TapeOpsMixin.fit()` adds this callback itself; users never need to.
+"""
+
+import inspect
+
+import keras
+
+
+class AccumulationFlush(keras.callbacks.Callback):
+    """Flushes the model's cross-batch accumulator at epoch boundaries.
+
+    Finds the accumulator of the model it is attached to (does nothing for a
+    model without `accumulation_steps > 1`).
+
+    Example:
+    ```python
+    # Added automatically by TapeOpsMixin.fit(); by hand it would be:
+    model.fit(x, y, callbacks=[AccumulationFlush(), *others])
+    ```
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._in_fit = False
+
+    def _accumulator(self):
+        model = self.model
+        model.build_tapeops()
+        options = model.tapeops_options
+        return None if options is None else options.accumulator
+
+    def _flush(self):
+        accumulator = self._accumulator()
+        if accumulator is not None:
+            accumulator.flush(self.model)
+
+    def _reset(self):
+        accumulator = self._accumulator()
+        if accumulator is not None:
+            accumulator.reset()
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        self._reset()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._reset()
+
+    def on_test_begin(self, logs=None):
+        if self._in_fit:  # validation inside fit(); not a standalone evaluate()
+            self._flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+
+    def on_train_end(self, logs=None):
+        self._flush()
+        self._in_fit = False
+
+
+def add_flush_callback(model, args, kwargs):
+    """Returns `fit()`'s `(args, kwargs)` with an `AccumulationFlush` first.
+
+    Args:
+        model: the keras_tapeops model `fit()` is called on.
+        args, kwargs: the arguments given to `fit()`.
+
+    Returns:
+        `((), kwargs)`: every argument by name, `callbacks` starting with
+        an `AccumulationFlush` (so it runs before checkpoints and validation).
+    """
+    bound = inspect.signature(keras.Model.fit).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    arguments.update(arguments.pop("kwargs", {}))
+    callbacks = arguments.get("callbacks") or []
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        raise TypeError(
+            "With accumulation_steps > 1, pass `callbacks` as a list, not a "
+            f"CallbackList. Received: callbacks={callbacks!r}"
+        )
+    callbacks = [c for c in callbacks if not isinstance(c, AccumulationFlush)]
+    arguments["callbacks"] = [AccumulationFlush()] + list(callbacks)
+    return (), arguments

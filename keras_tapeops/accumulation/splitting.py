@@ -1,0 +1,101 @@
+"""How a batch of dynamic size n is cut into micro-batches.
+
+`m = min(k, n)` micro-batches: the first `m - r` hold `q = n // m` samples,
+the last `r = n % m` hold `q + 1`; sizes differ by at most one and the
+samples keep their order. Each group of equal-sized micro-batches is a
+reshape of a contiguous slice, `[count, size, ...]`, so a loop can take
+micro-batch `i` with a static-size index: this is what lets XLA
+(`jit_compile=True`) compile the loop, since slice sizes must be constants.
+"""
+
+import tensorflow as tf
+
+
+def micro_batch_sizes(n, k):
+    """The micro-batch sizes for a batch of `n` samples split `k` ways (Python ints).
+
+    Args:
+        n: number of samples in the batch (int >= 1).
+        k: requested number of micro-batches (int >= 1).
+
+    Returns:
+        A list of `min(k, n)` ints summing to `n`, small ones first.
+
+    Example:
+    ```python
+    micro_batch_sizes(10, 4)  # [2, 2, 3, 3]
+    ```
+    """
+    m = max(min(k, n), 1)
+    q, r = divmod(n, m)
+    return [q] * (m - r) + [q + 1] * r
+
+
+def plan(n, k):
+    """Tensor version of `micro_batch_sizes`: returns `(q, r, n_small)`.
+
+    Args:
+        n: scalar int32 tensor, the batch size.
+        k: python int, requested micro-batches.
+
+    Returns:
+        `q` (small size), `r` (number of micro-batches of size `q + 1`),
+        `n_small` (number of micro-batches of size `q`, always >= 1).
+    """
+    m = tf.maximum(tf.minimum(tf.constant(k, n.dtype), n), 1)
+    return n // m, n % m, m - n % m
+
+
+def stack_groups(structure, q, r, n_small):
+    """Splits every tensor of `structure` into its two groups of micro-batches.
+
+    Args:
+        structure: nested structure of tensors (None leaves kept as None).
+        q, r, n_small: from `plan`.
+
+    Returns:
+        `(small, large)`: flat lists aligned with `tf.nest.flatten(structure)`,
+        tensors of shape `[n_small, q, ...]` and `[r, q + 1, ...]`.
+    """
+    small, large = [], []
+    for t in tf.nest.flatten(structure):
+        if t is None:
+            small.append(None)
+            large.append(None)
+            continue
+        t = tf.convert_to_tensor(t)
+        rest = tf.shape(t)[1:]
+        head = n_small * q
+        small.append(_reshape(t[:head], n_small, q, rest, t.shape[1:]))
+        large.append(_reshape(t[head:], r, q + 1, rest, t.shape[1:]))
+    return small, large
+
+
+def take(structure, stacked, i):
+    """Micro-batch `i` of a group made by `stack_groups`, as `structure`."""
+    flat = [None if t is None else t[i] for t in stacked]
+    return tf.nest.pack_sequence_as(structure, flat)
+
+
+def unstack_group(stacked_outputs):
+    """`[count, size, ...]` -> `[count * size, ...]` (inverse of the reshape)."""
+    shape = tf.shape(stacked_outputs)
+    merged = tf.reshape(
+        stacked_outputs, tf.concat([[shape[0] * shape[1]], shape[2:]], axis=0)
+    )
+    merged.set_shape([None] + stacked_outputs.shape[2:].as_list())
+    return merged
+
+
+def _reshape(t, count, size, rest, static_rest):
+    out = tf.reshape(t, tf.concat([tf.stack([count, size]), rest], axis=0))
+    # An empty group gets one all-zero micro-batch that the loop never
+    # reads: XLA compiles the loop body even when it runs zero times, and
+    # indexing an empty axis does not compile.
+    empty = tf.cast(tf.equal(count, 0), count.dtype)
+    paddings = tf.concat(
+        [[[0, empty]], tf.zeros([tf.rank(t), 2], count.dtype)], axis=0
+    )
+    out = tf.pad(out, paddings)
+    out.set_shape([None, None] + static_rest.as_list())
+    return out
