@@ -236,17 +236,16 @@ class TapeOpsMixin:
             y_pred = private.call_model(self, x, training)
         loss = private.compute_loss(self, x, y, y_pred, sample_weight, training)
         n = batch_size(x)
-        if terms:
-            context = TermContext(
-                self, x, y, y_pred, sample_weight, training,
-                recorder["activations"], recorder["tape"], recorder["watched"],
-            )
-            values = self.compute_terms(terms, context)
-            for term, value in zip(terms, values):
-                options.term_trackers[term.name].update_state(value, sample_weight=n)
-            loss = loss + tf.cast(
-                scale_for_distribution(tf.add_n(values)), loss.dtype
-            )
+        context = TermContext(
+            self, x, y, y_pred, sample_weight, training,
+            recorder["activations"], recorder["tape"], recorder["watched"],
+        )
+        values = list(self.compute_terms(terms, context))
+        for term, value in zip(terms, values):
+            options.term_trackers[term.name].update_state(value, sample_weight=n)
+        if values:
+            total = tf.add_n([tf.cast(v, "float32") for v in values])
+            loss = loss + tf.cast(scale_for_distribution(total), loss.dtype)
         private.loss_tracker(self).update_state(
             unscale_for_distribution(loss), sample_weight=n
         )
@@ -255,7 +254,26 @@ class TapeOpsMixin:
     def compute_terms(self, terms, context):
         """Returns `weight * value` (float32 scalar) of each term, in order.
 
-        Override to add terms computed from `context` without a Term class.
+        Called on every step, also when no term is compiled (`terms` empty).
+        Override to add terms computed from `context` without a Term class:
+        call `super()` and append scalars; the first `len(terms)` values are
+        logged under the terms' names, any extra value is only added to the
+        loss (and so to the logged `loss`).
+
+        Args:
+            terms: the active `kt.Term`s (training, or `in_validation` ones).
+            context: the step's `kt.TermContext`.
+
+        Returns:
+            A list of float32 scalars.
+
+        Example:
+        ```python
+        class Net(kt.TapeOpsMixin, keras.Model):
+            def compute_terms(self, terms, context):
+                values = super().compute_terms(terms, context)
+                return values + [0.1 * keras.ops.mean(context.y_pred ** 2)]
+        ```
         """
         step = self.optimizer.iterations if self.optimizer is not None else 0
         return [

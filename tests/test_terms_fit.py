@@ -405,3 +405,30 @@ def test_saving_an_unregistered_fn_fails_clearly(tmp_path):
     )
     with pytest.raises(ValueError, match=r"'lam' cannot be saved.*register_keras_serializable.*Received: fn="):
         model.save(str(tmp_path / "lam.keras"))
+
+
+class ExtraTermNet(SubclassedNet):
+    """Adds a term through the `compute_terms` hook, without a Term class."""
+
+    def compute_terms(self, terms, context):
+        values = super().compute_terms(terms, context)
+        return values + [logits_term(None, context.y_pred)]
+
+
+def test_compute_terms_hook_adds_an_unlogged_term():
+    x, y = make_data()
+    weights = initial_weights()
+    expected, _, loss_means = oracle_fit(weights, x, y, term_fn=logits_term)
+    model = ExtraTermNet()
+    model(x[:1])
+    model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+    ).history
+    assert sorted(history) == ["loss"]
+    assert_weights_close(model.get_weights(), expected, atol=1e-5)
+    np.testing.assert_allclose(history["loss"], loss_means, rtol=1e-5)
