@@ -267,6 +267,26 @@ def test_mixed_float16_clips_unscaled_gradients(oracle):
     assert not np.allclose(far[-2], expected[-2], atol=1e-5)
 
 
+def test_mirrored_and_mixed_float16_together(oracle, mirrored):
+    """LossScaleOptimizer's merge_call path under two replicas, with transforms.
+
+    Tolerance 2e-4: float16 forward/backward on half batches rounds
+    differently from the single-device float16 oracle (clipping the
+    loss-scaled gradients instead would be off by ~1e-1).
+    """
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = oracle["x"], oracle["y"]
+    expected, _ = tape_oracle(oracle["weights"], x, y, per_layer_bound)
+    with mirrored.scope():
+        model = make_net()
+        model.set_weights(oracle["weights"])
+        got = fit_weights(
+            model, x, y, gradient_transforms=two_rules("head*", "backbone*")
+        )
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_weights_close(got, expected, atol=2e-4)
+
+
 def test_mixed_float16_non_finite_step_is_skipped_and_scale_halves():
     keras.config.set_dtype_policy("mixed_float16")
     x, y = make_data(n=16)
