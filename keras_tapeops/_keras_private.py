@@ -117,3 +117,17 @@ def all_layers(model):
     weights. Used by `where=` selectors (issue 3) to find nested layers.
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def in_symbolic_build():
+    """True while Keras traces a layer symbolically (`in_symbolic_scope()`).
+
+    Keras builds an unbuilt layer by running its `call` once on placeholders
+    in a scratch graph inside `keras.SymbolicScope` (public), but only the
+    private `in_symbolic_scope()` tells whether that scope is active. Layer
+    outputs produced there are not part of the step's forward pass and must
+    not be recorded for loss terms.
+    """
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()

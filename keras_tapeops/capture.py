@@ -10,6 +10,8 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_tapeops import _keras_private as private
+
 
 @contextlib.contextmanager
 def recording_outputs(layers):
@@ -47,7 +49,10 @@ def recording_outputs(layers):
 def _recording_call(original, sink):
     def call(*args, **kwargs):
         outputs = original(*args, **kwargs)
-        sink.extend(t for t in tf.nest.flatten(outputs) if t is not None)
+        # A symbolic build of an unbuilt model runs `call` on placeholders in
+        # a scratch graph first; only the real forward pass counts.
+        if not private.in_symbolic_build():
+            sink.extend(t for t in tf.nest.flatten(outputs) if t is not None)
         return outputs
 
     return call

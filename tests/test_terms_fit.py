@@ -109,7 +109,8 @@ def initial_weights():
 
 
 @pytest.mark.parametrize(
-    "variant", ["plain", "jit_compile", "steps_per_execution", "mirrored"]
+    "variant",
+    ["plain", "jit_compile", "steps_per_execution", "mirrored", "micro_batches"],
 )
 def test_activation_penalty_matches_hand_written_loop(variant, request):
     x, y = make_data()
@@ -120,6 +121,8 @@ def test_activation_penalty_matches_hand_written_loop(variant, request):
         kwargs["jit_compile"] = True
     elif variant == "steps_per_execution":
         kwargs["steps_per_execution"] = 3
+    elif variant == "micro_batches":
+        kwargs["micro_batches"] = 2
     elif variant == "mirrored":
         strategy = request.getfixturevalue("mirrored")
     model, history = tapeops_fit(weights, x, y, strategy=strategy, **kwargs)
@@ -297,6 +300,21 @@ def test_subclassed_model_matches_loop():
     ).history
     assert_weights_close(model.get_weights(), expected, atol=1e-5)
     np.testing.assert_allclose(history["act"], term_means, rtol=1e-5)
+
+
+def test_unbuilt_subclassed_model_resolves_the_layer_by_name():
+    x, y = make_data()
+    model = SubclassedNet()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss_terms=[kt.ActivationPenalty("hidden", l2=BETA, name="act")],
+    )
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    hidden = model.hidden(x)
+    assert history.history["act"][0] > 0
+    logs = model.evaluate(x, y, batch_size=N, verbose=0, return_dict=True)
+    np.testing.assert_allclose(logs["act"], float(penalty_value(hidden)), rtol=1e-5)
 
 
 class CountingDense(keras.layers.Dense):
