@@ -259,6 +259,4 @@ def _layer_names(layers):
 def _describe(where):
     if isinstance(where, keras.layers.Layer):
         return f"<{type(where).__name__} name={where.name!r}>"
-    if isinstance(where, (str, list, LayerByName)):
-        return repr(where)
     return repr(where)
