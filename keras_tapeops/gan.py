@@ -155,6 +155,22 @@ class WGANGP(keras.Model):
         self._critic_transforms = tuple(transforms)
         self._wgangp_compile_kwargs = dict(kwargs)
 
+    def make_train_function(self, force=False):
+        self.build_optimizers()
+        return super().make_train_function(force=force)
+
+    def build_optimizers(self):
+        """Creates both optimizers' variables (in the model's strategy scope).
+
+        Keras builds only `model.optimizer` before the first step; variables
+        created lazily inside a replicated step would break `tf.distribute`.
+        """
+        with self.distribute_strategy.scope():
+            if not self.generator_optimizer.built:
+                self.generator_optimizer.build(self.generator.trainable_variables)
+            if not self.critic_optimizer.built:
+                self.critic_optimizer.build(self.critic.trainable_variables)
+
     @property
     def gradient_transforms(self):
         """The critic's compiled gradient transforms (a tuple)."""
@@ -340,8 +356,7 @@ class WGANGP(keras.Model):
         ]
         self.compile(**config)
         # Create the optimizer variables so the saved states load into them.
-        self.generator_optimizer.build(self.generator.trainable_variables)
-        self.critic_optimizer.build(self.critic.trainable_variables)
+        self.build_optimizers()
 
 
 def _mean_score(scores):
