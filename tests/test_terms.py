@@ -260,6 +260,10 @@ class UnusedLayerNet(kt.TapeOpsMixin, keras.Model):
         self.used = keras.layers.Dense(2, name="used")
         self.unused = keras.layers.Dense(2, name="unused")
 
+    def build(self, input_shape):
+        self.used.build(input_shape)
+        self.unused.build(input_shape)
+
     def call(self, x):
         return self.used(x)
 
