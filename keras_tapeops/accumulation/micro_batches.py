@@ -99,7 +99,10 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
                 (start, sums, arrays, bn_state),
                 parallel_iterations=1,
             )
-            return sums, [splitting.unstack_group(a.stack()) for a in arrays], bn_state
+            outputs = [
+                splitting.unstack_group(a.stack(), t) for a, t in zip(arrays, flat_pred)
+            ]
+            return sums, outputs, bn_state
 
         sums, preds_small, bn_state = run_group(
             small, n_small, q, tf.constant(1), sums, bn_state, flat_pred

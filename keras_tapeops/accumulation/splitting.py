@@ -77,13 +77,21 @@ def take(structure, stacked, i):
     return tf.nest.pack_sequence_as(structure, flat)
 
 
-def unstack_group(stacked_outputs):
-    """`[count, size, ...]` -> `[count * size, ...]` (inverse of the reshape)."""
-    shape = tf.shape(stacked_outputs)
+def unstack_group(stacked_outputs, like):
+    """`[count, size, ...]` -> `[count * size, ...]` (inverse of the reshape).
+
+    Args:
+        stacked_outputs: the stacked per-micro-batch outputs of one group
+            (possibly empty, with an unknown element shape).
+        like: one micro-batch's output, for the trailing dimensions.
+
+    Returns:
+        The group's outputs, one row per sample.
+    """
     merged = tf.reshape(
-        stacked_outputs, tf.concat([[shape[0] * shape[1]], shape[2:]], axis=0)
+        stacked_outputs, tf.concat([[-1], tf.shape(like)[1:]], axis=0)
     )
-    merged.set_shape([None] + stacked_outputs.shape[2:].as_list())
+    merged.set_shape([None] + like.shape[1:].as_list())
     return merged
 
 
