@@ -1,0 +1,106 @@
+"""Peak memory and time per sample: micro_batches vs stock fit vs Keras's accumulation.
+
+Each configuration runs in its own subprocess (peak RSS via
+`resource.getrusage`), a small conv net on 64x64x3 inputs:
+  stock-64     stock fit, batch 64 (the memory floor)
+  stock-512    stock fit, batch 512
+  micro-8      keras_tapeops micro_batches=8, batch 512
+  keras-acc-8  stock fit, batch 64, optimizer gradient_accumulation_steps=8
+Rounds interleave the configurations; the median of each is printed, with
+targets: micro-8's peak memory within 15% of the gap (stock-512 - stock-64)
+above the floor, and its time per sample no worse than keras-acc-8's.
+
+Run: python bench/accumulation.py [--rounds 2]   (about 2-3 minutes on 2 cores)
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ["stock-64", "stock-512", "micro-8", "keras-acc-8"]
+SAMPLES = 2048  # per timed epoch
+
+
+def child(name):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+
+    import keras_tapeops as kt
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64, 64, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(4),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 64, 64, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(SAMPLES,))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    batch = 64 if name in ("stock-64", "keras-acc-8") else 512
+    if name == "micro-8":
+        model = kt.upgrade(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, micro_batches=8)
+    elif name == "keras-acc-8":
+        model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=8),
+                      loss=loss)
+    else:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    # Warm-up (tracing) on one large batch's worth of data, then a timed epoch.
+    model.fit(x[:512], y[:512], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    seconds = time.perf_counter() - start
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"name": name, "peak_mib": peak_mib,
+                      "us_per_sample": 1e6 * seconds / SAMPLES}))
+
+
+def run_one(name):
+    out = subprocess.run([sys.executable, __file__, "--child", name],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    results = {name: [] for name in CONFIGS}
+    for _ in range(args.rounds):
+        for name in CONFIGS:  # interleaved rounds
+            results[name].append(run_one(name))
+    med = {name: {key: statistics.median(r[key] for r in runs)
+                  for key in ("peak_mib", "us_per_sample")}
+           for name, runs in results.items()}
+    print(f"{'config':12s} {'peak RSS MiB':>13s} {'us/sample':>10s}")
+    for name in CONFIGS:
+        print(f"{name:12s} {med[name]['peak_mib']:13.0f} {med[name]['us_per_sample']:10.1f}")
+    floor, top = med["stock-64"]["peak_mib"], med["stock-512"]["peak_mib"]
+    gap = top - floor
+    over = (med["micro-8"]["peak_mib"] - floor) / gap if gap > 0 else float("nan")
+    print(f"micro-8 peak above the batch-64 floor: {100 * over:.1f}% of the "
+          f"batch-512 gap ({gap:.0f} MiB); target <= 15%")
+    ratio = med["micro-8"]["us_per_sample"] / med["keras-acc-8"]["us_per_sample"]
+    print(f"micro-8 time per sample: {ratio:.2f}x keras gradient_accumulation_steps=8 "
+          "(target <= 1.00x)")
+    ratio = med["micro-8"]["us_per_sample"] / med["stock-512"]["us_per_sample"]
+    print(f"micro-8 time per sample: {ratio:.2f}x stock fit at batch 512")
+
+
+if __name__ == "__main__":
+    main()
