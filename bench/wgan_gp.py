@@ -20,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
 
-LATENT, CRITIC_STEPS, GP_WEIGHT, BATCH, N = 16, 5, 10.0, 64, 2048
+LATENT, CRITIC_STEPS, GP_WEIGHT, BATCH, N = 16, 5, 10.0, 64, 4096
 
 
 class KerasIOWGAN(keras.Model):
@@ -112,10 +112,14 @@ def main(rounds=7):
     timed_epoch(ours, data)
     ratios = []
     for i in range(rounds):
-        pair = [("stock", stock), ("kt", ours)]
+        # A-B-B-A inside each round, starting side alternating between rounds,
+        # so slow drifts and bursts of load hit both sides alike.
+        order = [("stock", stock), ("kt", ours)]
         if i % 2:
-            pair.reverse()
-        times = {name: timed_epoch(model, data) for name, model in pair}
+            order.reverse()
+        times = {"stock": 0.0, "kt": 0.0}
+        for name, model in order + order[::-1]:
+            times[name] += timed_epoch(model, data) / 2
         ratios.append(times["kt"] / times["stock"])
         print(f"round {i}: keras.io WGAN {times['stock'] * 1e3:7.1f} ms/epoch, "
               f"kt.WGANGP {times['kt'] * 1e3:7.1f} ms/epoch, ratio {ratios[-1]:.3f}")

@@ -188,10 +188,15 @@ class WGANGP(keras.Model):
     def train_step(self, data):
         real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         n = mixin.batch_size(real)
+        critic_losses, penalties = [], []
         for step in range(self.critic_steps):
             critic_loss, penalty = self.critic_train_step(real, step)
-            self.critic_loss_tracker.update_state(critic_loss, sample_weight=n)
-            self.gradient_penalty_tracker.update_state(penalty, sample_weight=n)
+            critic_losses.append(critic_loss)
+            penalties.append(penalty)
+        # One tracker update per batch (the mean over its critic steps, all
+        # of the same size): the same epoch mean as one update per step.
+        self.critic_loss_tracker.update_state(_mean(critic_losses), sample_weight=n)
+        self.gradient_penalty_tracker.update_state(_mean(penalties), sample_weight=n)
         generator_loss = self.generator_train_step(real)
         self.generator_loss_tracker.update_state(generator_loss, sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
@@ -357,6 +362,10 @@ class WGANGP(keras.Model):
         self.compile(**config)
         # Create the optimizer variables so the saved states load into them.
         self.build_optimizers()
+
+
+def _mean(values):
+    return tf.add_n(values) / float(len(values))
 
 
 def _mean_score(scores):

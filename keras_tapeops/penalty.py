@@ -10,6 +10,8 @@ import numbers
 
 import tensorflow as tf
 
+_TINY = 1e-30
+
 
 def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
     """WGAN-GP penalty `mean((||grad_x critic(x_hat)||_2 - target)^2)`.
@@ -61,10 +63,8 @@ def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
     with tf.GradientTape() as tape:
         tape.watch(interpolated)
         scores = critic(tf.nest.pack_sequence_as(real, interpolated), training=training)
-        total = tf.add_n(
-            [tf.reduce_sum(tf.cast(s, "float32")) for s in tf.nest.flatten(scores)]
-        )
-    grads = tape.gradient(total, interpolated)
+    # A list of targets is differentiated as their sum.
+    grads = tape.gradient(tf.nest.flatten(scores), interpolated)
     norm = per_sample_norm(grads)
     return tf.reduce_mean(tf.square(norm - tf.cast(target, "float32")))
 
@@ -72,8 +72,10 @@ def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
 def per_sample_norm(grads):
     """Per-sample L2 norm of a list of batch-first tensors, taken jointly.
 
-    Safe at zero: where the squared norm is 0 the norm is 0 and its gradient
-    is 0 (no `sqrt(0)` derivative, so no NaN/inf in double backprop).
+    Safe at zero: the squared norm is clamped below at 1e-30 (so a zero
+    gradient has norm 1e-15, not 0), which makes its derivative 0 there
+    instead of the infinite derivative of `sqrt` at 0: no NaN/inf in double
+    backprop. Norms above 1e-15 are exact.
 
     Args:
         grads: list of tensors with the same batch size (None entries, e.g.
@@ -84,25 +86,29 @@ def per_sample_norm(grads):
 
     Example:
     ```python
-    norm = per_sample_norm([tf.zeros((4, 3))])   # [0., 0., 0., 0.]
+    norm = per_sample_norm([tf.ones((4, 3))])   # [1.732..] * 4
     ```
     """
     squares = []
     for g in grads:
         if g is None:
             continue
-        g = tf.cast(g, "float32")
-        g = tf.reshape(g, [tf.shape(g)[0], -1])
-        squares.append(tf.reduce_sum(tf.square(g), axis=1))
+        if g.dtype != tf.float32:
+            g = tf.cast(g, "float32")
+        rank = g.shape.rank
+        if rank is None:
+            g = tf.reshape(g, [tf.shape(g)[0], -1])
+            rank = 2
+        squares.append(tf.reduce_sum(tf.square(g), axis=list(range(1, rank))))
     if not squares:
         raise ValueError(
             "The outputs do not depend on any float input, so there is no input "
             "gradient to penalize. Received: gradients that are all None"
         )
-    squared = tf.add_n(squares)
-    positive = squared > 0.0
-    safe = tf.where(positive, squared, tf.ones_like(squared))
-    return tf.where(positive, tf.sqrt(safe), tf.zeros_like(squared))
+    squared = squares[0] if len(squares) == 1 else tf.add_n(squares)
+    # Below 1e-30 the norm is clamped to 1e-15 and its gradient is 0: exact
+    # elsewhere, and never the infinite derivative of sqrt at 0.
+    return tf.sqrt(tf.maximum(squared, _TINY))
 
 
 def _shape_alpha(alpha, tensor):
