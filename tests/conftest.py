@@ -26,9 +26,17 @@ def _clean_keras_state():
     keras.backend.clear_session()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mirrored():
-    """A MirroredStrategy over the two logical CPU devices."""
+    """One MirroredStrategy over the two logical CPU devices, per process.
+
+    Every MirroredStrategy numbers its collective all-reduce instances from
+    the same start, and TensorFlow 2.21's process-wide collective executor
+    remembers instance keys: a second strategy in the same process re-uses
+    instance 100 with another shape and aborts ("Shape mismatch in the
+    collective instance 100"), with stock Keras as well as with ours. A user
+    process has one strategy; the tests share one too.
+    """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
