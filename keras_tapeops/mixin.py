@@ -114,6 +114,40 @@ class TapeOpsMixin:
             metrics = metrics + list(options.term_trackers.values())
         return metrics
 
+    def get_metrics_result(self):
+        """Stock metric results, without training-only terms while evaluating.
+
+        A term compiled with `in_validation=False` is not computed by
+        `test_step`, so `evaluate()` (and the validation part of `fit()`)
+        does not report it: no `val_<name>` entry in History.
+        """
+        results = super().get_metrics_result()
+        options = getattr(self, "_tapeops", None)
+        if options is not None and getattr(self, "_tapeops_evaluating", False):
+            for term in options.terms:
+                if not term.in_validation:
+                    results.pop(term.name, None)
+        return results
+
+    def evaluate(self, *args, **kwargs):
+        with self._evaluating():
+            return super().evaluate(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        with self._evaluating():
+            return super().test_on_batch(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        # A plain attribute set around evaluation (traced test steps read it
+        # at trace time; the test function is only traced in evaluation).
+        previous = getattr(self, "_tapeops_evaluating", False)
+        object.__setattr__(self, "_tapeops_evaluating", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_tapeops_evaluating", previous)
+
     # ---------------------------------------------------------------- building
     def fit(self, *args, **kwargs):
         """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.

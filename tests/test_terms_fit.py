@@ -227,6 +227,11 @@ def test_validation_reports_and_counts_terms():
         validation_data=(xv, yv), validation_batch_size=36,
     ).history
     assert "val_act" in history and "train_only" in history
+    # A training-only term is neither computed nor reported in validation.
+    assert "val_train_only" not in history
+    assert sorted(history) == sorted(
+        ["loss", "act", "train_only", "val_loss", "val_act"]
+    )
     hidden = model.get_layer("hidden")(xv)
     expected_act = float(penalty_value(hidden))
     expected_loss = float(loss_fn(yv, model(xv))) + expected_act
@@ -234,6 +239,14 @@ def test_validation_reports_and_counts_terms():
     np.testing.assert_allclose(history["val_loss"][0], expected_loss, rtol=1e-5)
     logs = model.evaluate(xv, yv, batch_size=36, verbose=0, return_dict=True)
     np.testing.assert_allclose(logs["act"], expected_act, rtol=1e-5)
+    assert sorted(logs) == ["act", "loss"]
+    as_list = model.evaluate(xv, yv, batch_size=36, verbose=0)
+    np.testing.assert_allclose(as_list, [logs["loss"], logs["act"]], rtol=1e-6)
+    on_batch = model.test_on_batch(xv, yv, return_dict=True)
+    assert sorted(on_batch) == ["act", "loss"]
+    # Training still reports the term after evaluating.
+    again = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0).history
+    assert "train_only" in again
 
 
 def test_unknown_layer_fails_before_any_weight_change():
