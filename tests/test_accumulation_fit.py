@@ -188,6 +188,15 @@ def test_micro_batches_under_jit_with_steps_per_execution(initial_weights):
     assert_close(ours.get_weights(), stock.get_weights())
 
 
+def test_micro_batches_under_jit_with_an_even_split(initial_weights):
+    """Every batch splits evenly: the loop over the empty group must still compile."""
+    x, y, sw = make_data()
+    bounds = [(s, min(s + 40, 100)) for s in range(0, 100, 40)]
+    stock = stock_on_batches(initial_weights, x, y, sw, bounds)
+    ours, _ = fit_ours(initial_weights, x, y, sw, 40, micro_batches=4, jit_compile=True)
+    assert_close(ours.get_weights(), stock.get_weights())
+
+
 def test_micro_batches_with_transform_and_term_see_the_accumulated_gradient(initial_weights):
     """ClipByGlobalNorm acts on the summed gradient: equal to the clipped large batch."""
     if not hasattr(kt, "ClipByGlobalNorm"):

@@ -42,7 +42,9 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
     data = (x, y, sample_weight)
     n = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     q, r, n_small = splitting.plan(n, k)
-    small, large = splitting.stack_groups(data, q, r, n_small)
+    small, large = splitting.stack_groups(
+        data, q, r, n_small, pad_empty=bool(model.jit_compile)
+    )
     n_float = tf.cast(n, tf.float32)
 
     options = model.tapeops_options

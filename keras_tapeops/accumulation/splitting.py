@@ -46,12 +46,16 @@ def plan(n, k):
     return n // m, n % m, m - n % m
 
 
-def stack_groups(structure, q, r, n_small):
+def stack_groups(structure, q, r, n_small, pad_empty=False):
     """Splits every tensor of `structure` into its two groups of micro-batches.
 
     Args:
         structure: nested structure of tensors (None leaves kept as None).
         q, r, n_small: from `plan`.
+        pad_empty: give an empty group one all-zero micro-batch that the loop
+            never reads. XLA (`jit_compile=True`) compiles the loop body even
+            when it runs zero times, and indexing an empty axis does not
+            compile. The padding copies the batch, so it is only done for XLA.
 
     Returns:
         `(small, large)`: flat lists aligned with `tf.nest.flatten(structure)`,
@@ -66,8 +70,8 @@ def stack_groups(structure, q, r, n_small):
         t = tf.convert_to_tensor(t)
         rest = tf.shape(t)[1:]
         head = n_small * q
-        small.append(_reshape(t[:head], n_small, q, rest, t.shape[1:]))
-        large.append(_reshape(t[head:], r, q + 1, rest, t.shape[1:]))
+        small.append(_reshape(t[:head], n_small, q, rest, t.shape[1:], pad_empty))
+        large.append(_reshape(t[head:], r, q + 1, rest, t.shape[1:], pad_empty))
     return small, large
 
 
@@ -95,15 +99,13 @@ def unstack_group(stacked_outputs, like):
     return merged
 
 
-def _reshape(t, count, size, rest, static_rest):
+def _reshape(t, count, size, rest, static_rest, pad_empty):
     out = tf.reshape(t, tf.concat([tf.stack([count, size]), rest], axis=0))
-    # An empty group gets one all-zero micro-batch that the loop never
-    # reads: XLA compiles the loop body even when it runs zero times, and
-    # indexing an empty axis does not compile.
-    empty = tf.cast(tf.equal(count, 0), count.dtype)
-    paddings = tf.concat(
-        [[[0, empty]], tf.zeros([tf.rank(t), 2], count.dtype)], axis=0
-    )
-    out = tf.pad(out, paddings)
+    if pad_empty:
+        empty = tf.cast(tf.equal(count, 0), count.dtype)
+        paddings = tf.concat(
+            [[[0, empty]], tf.zeros([tf.rank(t), 2], count.dtype)], axis=0
+        )
+        out = tf.pad(out, paddings)
     out.set_shape([None, None] + static_rest.as_list())
     return out
