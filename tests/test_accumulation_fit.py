@@ -199,8 +199,6 @@ def test_micro_batches_under_jit_with_an_even_split(initial_weights):
 
 def test_micro_batches_with_transform_and_term_see_the_accumulated_gradient(initial_weights):
     """ClipByGlobalNorm acts on the summed gradient: equal to the clipped large batch."""
-    if not hasattr(kt, "ClipByGlobalNorm"):
-        pytest.fail("kt.ClipByGlobalNorm is missing")
     x, y, sw = make_data(64)
     kwargs = dict(gradient_transforms=[kt.ClipByGlobalNorm(0.05)])
     stock, _ = fit_ours(initial_weights, x, y, sw, 32, optimizer=keras.optimizers.SGD(0.5), **kwargs)
