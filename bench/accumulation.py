@@ -10,7 +10,11 @@ Rounds interleave the configurations; the median of each is printed, with
 targets: micro-8's peak memory within 15% of the gap (stock-512 - stock-64)
 above the floor, and its time per sample no worse than keras-acc-8's.
 
-Run: python bench/accumulation.py [--rounds 2]   (about 2-3 minutes on 2 cores)
+Peak RSS of one process varies by about +-70 MiB from run to run on the
+2-core CPU machine (allocator and thread-pool timing), so the medians of
+several rounds are compared and each configuration's range is printed.
+
+Run: python bench/accumulation.py [--rounds 5]   (about 6 minutes on 2 cores)
 """
 
 import argparse
@@ -75,7 +79,7 @@ def run_one(name):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--child")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if args.child:
         child(args.child)
@@ -87,9 +91,13 @@ def main():
     med = {name: {key: statistics.median(r[key] for r in runs)
                   for key in ("peak_mib", "us_per_sample")}
            for name, runs in results.items()}
-    print(f"{'config':12s} {'peak RSS MiB':>13s} {'us/sample':>10s}")
+    print(f"median of {args.rounds} interleaved rounds, each configuration in its own process")
+    print(f"{'config':12s} {'peak RSS MiB':>13s} {'(min-max)':>11s} {'us/sample':>10s} {'(min-max)':>13s}")
     for name in CONFIGS:
-        print(f"{name:12s} {med[name]['peak_mib']:13.0f} {med[name]['us_per_sample']:10.1f}")
+        peaks = [r["peak_mib"] for r in results[name]]
+        times = [r["us_per_sample"] for r in results[name]]
+        print(f"{name:12s} {med[name]['peak_mib']:13.0f} {min(peaks):5.0f}-{max(peaks):<5.0f} "
+              f"{med[name]['us_per_sample']:10.1f} {min(times):6.0f}-{max(times):<6.0f}")
     floor, top = med["stock-64"]["peak_mib"], med["stock-512"]["peak_mib"]
     gap = top - floor
     over = (med["micro-8"]["peak_mib"] - floor) / gap if gap > 0 else float("nan")

@@ -76,16 +76,13 @@ def main():
     print("== kt.upgrade(model) with keras_tapeops options")
     tuned = kt.upgrade(make_model())
     tuned.set_weights(start)
-    options = {}
-    if hasattr(kt, "ClipByNorm"):
-        options["gradient_transforms"] = [
+    options = {
+        "gradient_transforms": [
             kt.ClipByNorm(0.5, where="head*"),
             kt.ClipByGlobalNorm(5.0, where="backbone*"),
-        ]
-    if hasattr(kt, "ActivationPenalty"):
-        options["loss_terms"] = [
-            kt.ActivationPenalty("backbone_2", l1=1e-3, name="sparsity")
-        ]
+        ],
+        "loss_terms": [kt.ActivationPenalty("backbone_2", l1=1e-3, name="sparsity")],
+    }
     history = train(tuned, x, y, **options)
     print("logged keys:", sorted(history))
     path = os.path.join(tempfile.mkdtemp(), "tuned.keras")

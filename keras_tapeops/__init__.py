@@ -14,44 +14,45 @@ from keras_tapeops.backend_check import require_tensorflow_backend
 
 require_tensorflow_backend()
 
+from keras_tapeops import accumulation  # noqa: E402  (kt.accumulation.micro_batch_sizes)
+from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
+from keras_tapeops.penalty import gradient_penalty  # noqa: E402
+from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
+from keras_tapeops.terms.custom import LossTerm  # noqa: E402
+from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
+from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
+from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
+from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
 
-# -- gradient transforms (issue 3) --
-from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
-from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
-from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
-# -- loss terms (issue 4) --
-from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
-from keras_tapeops.terms.custom import LossTerm  # noqa: E402
-# -- gradient penalties and WGAN-GP (issue 5) --
-from keras_tapeops.gan import WGANGP  # noqa: E402
-from keras_tapeops.penalty import gradient_penalty  # noqa: E402
-from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
-# -- accumulation (issue 6) --
-
 __version__ = "0.1.0"
 
 __all__ = [
-    # -- exports: keep sorted within each block --
-    "ClipByGlobalNorm",  # issue 3
-    "ClipByNorm",  # issue 3
-    "ClipByValue",  # issue 3
-    "ActivationPenalty",  # issue 4
-    "GradientPenalty",  # issue 5
-    "GradientTransform",
-    "LossTerm",  # issue 4
+    # The model side.
     "TapeOpsFunctional",
     "TapeOpsMixin",
     "TapeOpsSequential",
+    "upgrade",
+    # Gradient transforms (compile(gradient_transforms=[...])).
+    "ClipByGlobalNorm",
+    "ClipByNorm",
+    "ClipByValue",
+    "GradientTransform",
+    # Loss terms (compile(loss_terms=[...])).
+    "ActivationPenalty",
+    "GradientPenalty",
+    "LossTerm",
     "Term",
     "TermContext",
-    "upgrade",
-    "WGANGP",  # issue 5
-    "gradient_penalty",  # issue 5
+    # Gradient penalties and GANs.
+    "WGANGP",
+    "gradient_penalty",
+    # micro_batches / accumulation_steps helpers.
+    "accumulation",
 ]
