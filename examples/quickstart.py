@@ -88,9 +88,10 @@ def main():
     path = os.path.join(tempfile.mkdtemp(), "tuned.keras")
     tuned.save(path)
     restored = keras.models.load_model(path)
-    print(f"saved and restored as {type(restored).__name__} with options "
-          f"{sorted(k for k, v in restored.tapeops_options.get_config().items() if v)}")
-
+    opts = restored.tapeops_options
+    print(f"saved and restored as {type(restored).__name__} with "
+          f"gradient_transforms={[type(t).__name__ for t in opts.transforms]} and "
+          f"loss_terms={[t.name for t in opts.terms]}")
 
 if __name__ == "__main__":
     main()
