@@ -84,6 +84,27 @@ def _identity_all_reduce(grads_and_vars):
     return list(grads_and_vars)
 
 
+def logged_metric_names(model, y=None, y_pred=None):
+    """Names stock Keras logs for `model`: loss, compiled metrics, per-output losses.
+
+    The compiled metrics (`model._compile_metrics`, a `CompileMetrics`) are
+    built lazily on their first update and list their names only once built;
+    given `y` and `y_pred` this builds them first, as their first update
+    would. Loss terms must not reuse these names (a term's entry would
+    overwrite the metric's in History).
+    """
+    compiled = model._compile_metrics
+    if compiled is not None and not compiled.built and y_pred is not None:
+        compiled.build(y, y_pred)
+    names = []
+    for metric in keras.Model.metrics.fget(model):
+        if metric is compiled:
+            names.extend(m.name for m in compiled.metrics)
+        else:
+            names.append(metric.name)
+    return names
+
+
 def is_loss_scale_optimizer(optimizer):
     """True for Keras's `LossScaleOptimizer` (public class, checked here for clarity)."""
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

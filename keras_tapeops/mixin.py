@@ -186,7 +186,7 @@ class TapeOpsMixin:
         if not options.terms_built:
             for term in options.terms:
                 term.build(self)
-            _check_term_names_against_metrics(self, options)
+            _check_term_names_against_metrics(self)
             options.terms_built = True
         if not self.built:
             return
@@ -210,6 +210,7 @@ class TapeOpsMixin:
         self.build_tapeops()
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
         self.build_tapeops()  # completes now if the forward pass built the model
+        _check_term_names_against_metrics(self, y, y_pred)
         if self.trainable_weights:
             self.update_weights(grads, batch_size(x))
         else:
@@ -220,6 +221,7 @@ class TapeOpsMixin:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.build_tapeops()
         _, y_pred = self.compute_total_loss(x, y, sample_weight, training=False)
+        _check_term_names_against_metrics(self, y, y_pred)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------ hooks
@@ -482,11 +484,24 @@ def _keep_if_finite(finite, new, old):
     return tf.where(finite, tf.convert_to_tensor(new), tf.convert_to_tensor(old))
 
 
-def _check_term_names_against_metrics(model, options):
-    taken = {m.name for m in keras.Model.metrics.fget(model)} if model.compiled else set()
+def _check_term_names_against_metrics(model, y=None, y_pred=None):
+    """Raises if a loss term's name is also a name stock Keras logs.
+
+    Runs before the first step (names known then) and again in the first
+    traced step after the forward pass, when Keras has built the compiled
+    metrics and per-output losses, and before any weight update.
+    """
+    options = getattr(model, "_tapeops", None)
+    if options is None or not options.terms or not model.compiled:
+        return
+    if getattr(options, "names_checked", False):
+        return
+    taken = set(private.logged_metric_names(model, y, y_pred))
     for term in options.terms:
         if term.name in taken:
             raise ValueError(
                 f"Loss term name {term.name!r} clashes with a metric of the "
                 f"model ({sorted(taken)}). Received: name={term.name!r}"
             )
+    if y_pred is not None:
+        options.names_checked = True  # compiled metrics were built and seen
