@@ -1,15 +1,23 @@
 """Unit and property tests of ClipByValue, ClipByNorm and ClipByGlobalNorm."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
+from keras_tapeops.selectors import LayerByName
 from keras_tapeops.transforms.base import GradientTransform
 
 SEEDS = range(8)
 CLASSES = [kt.ClipByValue, kt.ClipByNorm, kt.ClipByGlobalNorm]
+THRESHOLD = {
+    kt.ClipByValue: "clip_value",
+    kt.ClipByNorm: "clip_norm",
+    kt.ClipByGlobalNorm: "clip_norm",
+}
 
 
 def random_grads(seed, scale=None):
@@ -193,9 +201,13 @@ def test_sparse_mixed_with_dense_global_norm():
 
 
 # -------------------------------------------------------------- argument checks
+# (bad value, error, what the message must show after "Received: <arg>="):
+# the value as the user passed it (its repr), not a converted float.
 BAD_THRESHOLDS = [
     (-1.0, ValueError, "-1.0"),
-    (0, ValueError, "0.0"),
+    (0, ValueError, "0"),
+    (-3, ValueError, "-3"),
+    (np.float64(-2.5), ValueError, repr(np.float64(-2.5))),
     (float("nan"), ValueError, "nan"),
     (float("inf"), ValueError, "inf"),
     ("1.0", TypeError, "'1.0' of type str"),
@@ -211,10 +223,21 @@ BAD_THRESHOLDS = [
 ])
 def test_bad_threshold(cls, arg):
     for bad, error, shown in BAD_THRESHOLDS:
-        with pytest.raises(error, match=rf"`{arg}`.*Received: {arg}={shown}"):
+        # Anchored at the end: "clip_norm=0" must not read "clip_norm=0.0".
+        with pytest.raises(error, match=rf"`{arg}`.*Received: {arg}={re.escape(shown)}$"):
             cls(bad)
     with pytest.raises(TypeError, match=r"Received: where=5 of type int"):
         cls(1.0, where=5)
+
+
+def test_bad_threshold_check_can_fail():
+    """The anchored pattern rejects the converted value ("0.0" for 0)."""
+    with pytest.raises(ValueError) as info:
+        kt.ClipByNorm(0)
+    assert str(info.value).endswith("Received: clip_norm=0")
+    with pytest.raises(AssertionError):
+        with pytest.raises(ValueError, match=r"Received: clip_norm=0\.0$"):
+            kt.ClipByNorm(0)
 
 
 def test_numpy_and_int_thresholds_are_accepted():
@@ -223,19 +246,79 @@ def test_numpy_and_int_thresholds_are_accepted():
 
 
 # ------------------------------------------------------------------ config
+@keras.saving.register_keras_serializable(package="tests_clipping")
+def kernels_only(variable):
+    return variable.path.endswith("kernel")
+
+
+def head_layer():
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1, name="head")(inputs)
+    return keras.Model(inputs, outputs).get_layer("head")
+
+
+# (selector given to the constructor, what get_config stores for it)
+SERIALIZABLE_SELECTORS = [
+    (None, None),
+    ("head*", "head*"),
+    (["a", "*/bias"], ["a", "*/bias"]),
+    (("a", "*/bias"), ["a", "*/bias"]),
+    ("layer", {"layer_name": "head"}),
+    (LayerByName("head"), {"layer_name": "head"}),
+    (kernels_only, {"callable": keras.saving.serialize_keras_object(kernels_only)}),
+]
+
+
 @pytest.mark.parametrize("cls", CLASSES)
-def test_config_round_trip(cls):
-    for where in (None, "head*", ["a", "*/bias"], {"layer_name": "head"}):
-        transform = cls.from_config({**cls(0.25).get_config(), "where": where})
-        config = transform.get_config()
-        assert config["where"] == where
-        restored = cls.from_config(config)
-        assert type(restored) is cls
-        assert restored.get_config() == config
-        serialized = keras.saving.serialize_keras_object(transform)
-        assert serialized["registered_name"] == f"keras_tapeops>{cls.__name__}"
-        again = keras.saving.deserialize_keras_object(serialized)
-        assert again.get_config() == config
+@pytest.mark.parametrize("where, stored", SERIALIZABLE_SELECTORS)
+def test_config_round_trip(cls, where, stored):
+    if where == "layer":
+        where = head_layer()
+    transform = cls(0.25, where=where)
+    config = transform.get_config()
+    assert config == {THRESHOLD[cls]: 0.25, "where": stored}
+    restored = cls.from_config(config)
+    assert type(restored) is cls
+    assert getattr(restored, THRESHOLD[cls]) == 0.25
+    assert restored.get_config() == config
+    serialized = keras.saving.serialize_keras_object(transform)
+    assert serialized["registered_name"] == f"keras_tapeops>{cls.__name__}"
+    again = keras.saving.deserialize_keras_object(serialized)
+    assert type(again) is cls
+    assert again.get_config() == config
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_restored_selectors_select_the_same_variables(cls):
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(2, name="body")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    variables = model.trainable_variables
+    for where in ("head*", ["body"], model.get_layer("head"), kernels_only):
+        original = cls(0.25, where=where)
+        restored = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(original)
+        )
+        original.build(model, variables)
+        restored.build(model, variables)
+        assert restored.selected == original.selected
+        assert any(original.selected) and not all(original.selected)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_registered_names(cls):
+    name = f"keras_tapeops>{cls.__name__}"
+    assert keras.saving.get_registered_name(cls) == name
+    assert keras.saving.get_registered_object(name) is cls
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_config_check_can_fail(cls):
+    """The round trip notices a lost threshold, and a lambda cannot be saved."""
+    config = cls(0.25).get_config()
+    assert cls.from_config(config).get_config() != cls(0.5).get_config()
+    with pytest.raises(ValueError, match="register_keras_serializable"):
+        cls(0.25, where=lambda v: True).get_config()
 
 
 def test_all_clippers_are_gradient_transforms():

@@ -1,9 +1,14 @@
 """End-to-end `fit()` tests of the clipping transforms against independent oracles.
 
 Oracles: a hand-written `tf.GradientTape` loop clipping each variable with
-`tf.clip_by_norm`, and a NumPy two-layer linear network with group global-norm
-clipping. Same initial weights, same batches (shuffle=False), plain SGD.
+`tf.clip_by_norm` / `tf.clip_by_value` (rules applied in list order, each
+rule's clips counted), and a NumPy two-layer linear network with group
+global-norm clipping. Same initial weights, same batches (shuffle=False),
+plain SGD.
 """
+
+import collections
+import contextlib
 
 import keras
 import numpy as np
@@ -15,14 +20,26 @@ import keras_tapeops as kt
 LR = 0.05
 BATCH = 16
 EPOCHS = 2
+N = 64
+STEPS = EPOCHS * N // BATCH
 HEAD_CLIP = 1.0
 BACKBONE_CLIP = 5.0
+# Group global-norm thresholds: each group is clipped on some steps, not all.
+GROUP_HEAD_CLIP = 4.0
+GROUP_BACKBONE_CLIP = 10.0
 
 
-def make_data(n=64, seed=0):
+def make_data(n=N, seed=0):
+    """Inputs and targets; the second batch has 3x larger targets.
+
+    Its gradients are the only ones large enough for the loose backbone rule
+    (5.0) to fire, so both per-layer rules clip on some steps and not on others
+    (the oracle fixture asserts it).
+    """
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 6)).astype("float32")
     y = (3.0 * rng.normal(size=(n, 2))).astype("float32")
+    y[BATCH:2 * BATCH] *= 3.0
     return x, y
 
 
@@ -39,29 +56,121 @@ def is_head(variable):
     return "head" in variable.path
 
 
-def tape_oracle(weights, x, y, clip_of, activation="tanh"):
-    """Hand-written loop: per-variable `tf.clip_by_norm`, SGD. Returns weights, #clips."""
+def is_backbone(variable):
+    return "backbone" in variable.path
+
+
+def is_bias(variable):
+    return variable.path.endswith("/bias")
+
+
+Rule = collections.namedtuple("Rule", "name selects bound kind")
+
+
+def norm_rule(name, selects, bound):
+    return Rule(name, selects, bound, "norm")
+
+
+def value_rule(name, selects, bound):
+    return Rule(name, selects, bound, "value")
+
+
+def apply_rule(rule, grad):
+    """`(clipped gradient, whether the rule changed it)`, written with plain TF ops."""
+    if rule.kind == "norm":
+        fired = bool(tf.norm(grad).numpy() > rule.bound)
+        return tf.clip_by_norm(grad, rule.bound), fired
+    fired = bool(tf.reduce_max(tf.abs(grad)).numpy() > rule.bound)
+    return tf.clip_by_value(grad, -rule.bound, rule.bound), fired
+
+
+PER_LAYER = [
+    norm_rule("head", is_head, HEAD_CLIP),
+    norm_rule("backbone", is_backbone, BACKBONE_CLIP),
+]
+
+
+class HandLossScale:
+    """`LossScaleOptimizer`'s dynamic rule, by hand, for the tape-loop oracles.
+
+    The loss is multiplied by `scale` before the gradient; the gradients are
+    divided by it again. A non-finite step is skipped and halves the scale;
+    `growth_steps` finite steps in a row double it. `scales` records the
+    scale after every step. `None` (float32 oracles) scales nothing.
+    """
+
+    def __init__(self, initial=2.0**15, growth_steps=2000):
+        self.scale, self.growth_steps, self.counter = initial, growth_steps, 0
+        self.scales, self.skipped = [], 0
+
+    def scale_loss(self, loss):
+        return loss * self.scale
+
+    def unscale(self, grads):
+        """Unscaled gradients, or None for a skipped (non-finite) step."""
+        grads = [g / self.scale for g in grads]
+        finite = all(
+            np.all(np.isfinite(tf.convert_to_tensor(g).numpy())) for g in grads
+        )
+        if finite:
+            self.counter += 1
+            if self.counter == self.growth_steps:
+                self.scale, self.counter = self.scale * 2, 0
+        else:
+            self.scale, self.counter = self.scale / 2, 0
+            self.skipped += 1
+        self.scales.append(self.scale)
+        return grads if finite else None
+
+
+def scaled_loss(loss, loss_scale):
+    """Inside the tape: the loss times the current scale (or the loss)."""
+    return loss if loss_scale is None else loss_scale.scale_loss(loss)
+
+
+def step_gradients(tape, loss, variables, loss_scale):
+    grads = tape.gradient(loss, variables)
+    return grads if loss_scale is None else loss_scale.unscale(grads)
+
+
+def tape_oracle(weights, x, y, rules, activation="tanh", loss_scale=None):
+    """Hand-written loop: per-variable rules in list order, then SGD.
+
+    Returns the final weights and, per rule name, on how many of the steps
+    the rule clipped at least one variable. Pass a `HandLossScale` under
+    mixed precision.
+    """
     model = make_net(activation)
     model.set_weights(weights)
-    clipped = 0
+    clips = collections.Counter({rule.name: 0 for rule in rules})
     for _ in range(EPOCHS):
         for start in range(0, len(x), BATCH):
             xb, yb = x[start:start + BATCH], y[start:start + BATCH]
             with tf.GradientTape() as tape:
                 pred = tf.cast(model(xb, training=True), "float32")
-                loss = tf.reduce_mean(tf.square(pred - yb))
-            grads = tape.gradient(loss, model.trainable_variables)
+                loss = scaled_loss(tf.reduce_mean(tf.square(pred - yb)), loss_scale)
+            grads = step_gradients(tape, loss, model.trainable_variables, loss_scale)
+            if grads is None:
+                continue
+            fired_this_step = set()
             for v, g in zip(model.trainable_variables, grads):
-                bound = clip_of(v)
-                if bound is not None:
-                    clipped += int(tf.norm(g).numpy() > bound)
-                    g = tf.clip_by_norm(g, bound)
+                for rule in rules:
+                    if rule.selects(v):
+                        g, fired = apply_rule(rule, g)
+                        if fired:
+                            fired_this_step.add(rule.name)
                 v.assign_sub(LR * g)
-    return model.get_weights(), clipped
+            clips.update(fired_this_step)
+    return model.get_weights(), clips
 
 
-def per_layer_bound(variable):
-    return HEAD_CLIP if is_head(variable) else BACKBONE_CLIP
+def assert_every_rule_clips_sometimes(clips, steps=STEPS):
+    """Each rule clipped on at least one step and left at least one alone."""
+    for name, count in clips.items():
+        assert 0 < count < steps, (
+            f"rule {name!r} clipped on {count} of {steps} steps: the scenario "
+            "does not exercise it"
+        )
 
 
 def fit_weights(model, x, y, **compile_kwargs):
@@ -77,16 +186,20 @@ def assert_weights_close(actual, expected, atol=1e-5):
         np.testing.assert_allclose(a, e, atol=atol, rtol=atol)
 
 
+def weights_close(actual, expected, atol=1e-5):
+    return all(np.allclose(a, e, atol=atol, rtol=atol) for a, e in zip(actual, expected))
+
+
 @pytest.fixture(scope="module")
 def oracle():
     """Initial weights and the tape-loop result with head 1.0 / backbone 5.0."""
     keras.utils.set_random_seed(7)
     x, y = make_data()
     weights = make_net().get_weights()
-    expected, clipped = tape_oracle(weights, x, y, per_layer_bound)
-    assert clipped > 0, "thresholds must make clipping active"
+    expected, clips = tape_oracle(weights, x, y, PER_LAYER)
+    assert_every_rule_clips_sometimes(clips)
     keras.backend.clear_session()
-    return {"x": x, "y": y, "weights": weights, "expected": expected}
+    return {"x": x, "y": y, "weights": weights, "expected": expected, "clips": clips}
 
 
 def two_rules(head_where, backbone_where):
@@ -96,19 +209,42 @@ def two_rules(head_where, backbone_where):
     ]
 
 
+def net_with(weights, activation="tanh"):
+    model = make_net(activation)
+    model.set_weights(weights)
+    return model
+
+
+def fresh_net(oracle):
+    return net_with(oracle["weights"])
+
+
+def test_both_rules_clip_on_some_steps_but_not_all(oracle):
+    """Every per-layer comparison below depends on both rules, not just the head's."""
+    assert set(oracle["clips"]) == {"head", "backbone"}
+    assert_every_rule_clips_sometimes(oracle["clips"])
+
+
+def test_rule_count_check_can_fail(oracle):
+    """With targets of one scale the backbone rule never fires and the check says so."""
+    x, y = make_data()
+    y[BATCH:2 * BATCH] /= 3.0
+    _, clips = tape_oracle(oracle["weights"], x, y, PER_LAYER)
+    assert clips["backbone"] == 0
+    with pytest.raises(AssertionError, match="'backbone' clipped on 0 of"):
+        assert_every_rule_clips_sometimes(clips)
+
+
 def test_per_layer_norm_matches_tape_loop_with_globs(oracle):
-    model = make_net()
-    model.set_weights(oracle["weights"])
     got = fit_weights(
-        model, oracle["x"], oracle["y"],
+        fresh_net(oracle), oracle["x"], oracle["y"],
         gradient_transforms=two_rules("head*", "backbone*"),
     )
     assert_weights_close(got, oracle["expected"])
 
 
 def test_per_layer_norm_matches_with_list_layer_and_callable(oracle):
-    model = make_net()
-    model.set_weights(oracle["weights"])
+    model = fresh_net(oracle)
     got = fit_weights(
         model, oracle["x"], oracle["y"],
         gradient_transforms=[
@@ -118,10 +254,8 @@ def test_per_layer_norm_matches_with_list_layer_and_callable(oracle):
     )
     assert_weights_close(got, oracle["expected"])
 
-    model = make_net()
-    model.set_weights(oracle["weights"])
     got = fit_weights(
-        model, oracle["x"], oracle["y"],
+        fresh_net(oracle), oracle["x"], oracle["y"],
         gradient_transforms=two_rules(is_head, lambda v: not is_head(v)),
     )
     assert_weights_close(got, oracle["expected"])
@@ -129,100 +263,215 @@ def test_per_layer_norm_matches_with_list_layer_and_callable(oracle):
 
 def test_comparison_can_fail(oracle):
     """Without the transforms, or with the rules swapped, the weights differ."""
-    model = make_net()
-    model.set_weights(oracle["weights"])
-    unclipped = fit_weights(model, oracle["x"], oracle["y"])
-    assert not all(
-        np.allclose(a, e, atol=1e-5) for a, e in zip(unclipped, oracle["expected"])
-    )
-    model = make_net()
-    model.set_weights(oracle["weights"])
+    unclipped = fit_weights(fresh_net(oracle), oracle["x"], oracle["y"])
+    assert not weights_close(unclipped, oracle["expected"])
     swapped = fit_weights(
-        model, oracle["x"], oracle["y"],
+        fresh_net(oracle), oracle["x"], oracle["y"],
         gradient_transforms=two_rules("backbone*", "head*"),
     )
-    assert not all(
-        np.allclose(a, e, atol=1e-5) for a, e in zip(swapped, oracle["expected"])
-    )
+    assert not weights_close(swapped, oracle["expected"])
 
 
-def numpy_group_oracle(weights, x, y, head_clip, backbone_clip):
-    """Two linear layers in NumPy, one global norm per group, SGD."""
-    w1, b1, w2, b2, w3, b3 = [w.astype("float64") for w in weights]
-    clipped = 0
-    for _ in range(EPOCHS):
-        for start in range(0, len(x), BATCH):
-            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
-            h1 = xb @ w1 + b1
-            h2 = h1 @ w2 + b2
-            out = h2 @ w3 + b3
-            d_out = 2.0 * (out - yb) / out.size
-            g_w3, g_b3 = h2.T @ d_out, d_out.sum(0)
-            d_h2 = d_out @ w3.T
-            g_w2, g_b2 = h1.T @ d_h2, d_h2.sum(0)
-            d_h1 = d_h2 @ w2.T
-            g_w1, g_b1 = xb.T @ d_h1, d_h1.sum(0)
-            backbone = [g_w1, g_b1, g_w2, g_b2]
-            head = [g_w3, g_b3]
-            for group, bound in ((backbone, backbone_clip), (head, head_clip)):
-                norm = np.sqrt(sum(np.sum(g * g) for g in group))
-                clipped += int(norm > bound)
-                factor = bound / max(norm, bound)
-                group[:] = [g * factor for g in group]
-            grads = backbone + head
-            w1, b1, w2, b2, w3, b3 = [
-                w - LR * g for w, g in zip((w1, b1, w2, b2, w3, b3), grads)
-            ]
-    return [w1, b1, w2, b2, w3, b3], clipped
-
-
-def test_group_global_norm_matches_numpy():
-    x, y = make_data()
-    model = make_net(activation=None)
-    weights = model.get_weights()
-    expected, clipped = numpy_group_oracle(weights, x, y, 0.5, 2.0)
-    assert clipped > 0
+@pytest.mark.parametrize("kept", ["head", "backbone"])
+def test_dropping_either_rule_fails_the_comparison(oracle, kept):
+    """Each rule changes the result: a step that ignored one would be caught."""
+    rule = dict(head=("head*", HEAD_CLIP), backbone=("backbone*", BACKBONE_CLIP))[kept]
     got = fit_weights(
-        model, x, y,
+        fresh_net(oracle), oracle["x"], oracle["y"],
+        gradient_transforms=[kt.ClipByNorm(rule[1], where=rule[0])],
+    )
+    assert not weights_close(got, oracle["expected"])
+
+
+# ------------------------------------------------------ overlapping groups
+BIAS_CLIP = 0.5
+OVERLAP = [
+    norm_rule("head_norm", is_head, HEAD_CLIP),
+    value_rule("bias_value", is_bias, BIAS_CLIP),
+]
+
+
+def test_overlapping_groups_apply_in_list_order(oracle):
+    """head/bias is in both groups: norm-clipped first, then value-clipped."""
+    expected, clips = tape_oracle(oracle["weights"], oracle["x"], oracle["y"], OVERLAP)
+    assert_every_rule_clips_sometimes(clips)
+    got = fit_weights(
+        fresh_net(oracle), oracle["x"], oracle["y"],
         gradient_transforms=[
-            kt.ClipByGlobalNorm(2.0, where="backbone*"),
-            kt.ClipByGlobalNorm(0.5, where="head*"),
+            kt.ClipByNorm(HEAD_CLIP, where="head*"),
+            kt.ClipByValue(BIAS_CLIP, where="*/bias"),
         ],
     )
     assert_weights_close(got, expected)
-    # The same NumPy computation without clipping is far from it.
+    # Companion: the reversed order is a different computation, in both (only
+    # head/bias is in both groups, so the difference comes from the overlap).
+    reversed_expected, _ = tape_oracle(
+        oracle["weights"], oracle["x"], oracle["y"], OVERLAP[::-1]
+    )
+    assert not weights_close(reversed_expected, expected)
+    reversed_got = fit_weights(
+        fresh_net(oracle), oracle["x"], oracle["y"],
+        gradient_transforms=[
+            kt.ClipByValue(BIAS_CLIP, where="*/bias"),
+            kt.ClipByNorm(HEAD_CLIP, where="head*"),
+        ],
+    )
+    assert not weights_close(reversed_got, expected)
+    assert_weights_close(reversed_got, reversed_expected)
+
+
+# ------------------------------------------------ group global norm (NumPy)
+def numpy_group_oracle(weights, x, y, head_clip, backbone_clip, replicas=1):
+    """Two linear layers in NumPy, one global norm per group, SGD.
+
+    `replicas > 1` clips each replica's share of the batch gradient on its
+    own and sums afterwards (Keras's per-replica `global_clipnorm`): the
+    computation the library must *not* do.
+
+    Returns the final weights and, per group, the number of steps it clipped.
+    """
+    params = [w.astype("float64") for w in weights]
+    clips = {"backbone": 0, "head": 0}
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), BATCH):
+            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
+            total = [np.zeros_like(p) for p in params]
+            for xr, yr in zip(np.array_split(xb, replicas), np.array_split(yb, replicas)):
+                grads = _linear_grads(params, xr, yr, size=yb.size)
+                backbone, head = grads[:4], grads[4:]
+                for name, group, bound in (
+                    ("backbone", backbone, backbone_clip), ("head", head, head_clip)
+                ):
+                    norm = np.sqrt(sum(np.sum(g * g) for g in group))
+                    clips[name] += int(norm > bound)
+                    group[:] = [g * bound / max(norm, bound) for g in group]
+                total = [t + g for t, g in zip(total, backbone + head)]
+            params = [p - LR * g for p, g in zip(params, total)]
+    return params, clips
+
+
+def _linear_grads(params, xb, yb, size):
+    """Gradients of sum((out - y)^2) / size for out = ((x W1 + b1) W2 + b2) W3 + b3."""
+    w1, b1, w2, b2, w3, b3 = params
+    h1 = xb @ w1 + b1
+    h2 = h1 @ w2 + b2
+    out = h2 @ w3 + b3
+    d_out = 2.0 * (out - yb) / size
+    d_h2 = d_out @ w3.T
+    d_h1 = d_h2 @ w2.T
+    return [xb.T @ d_h1, d_h1.sum(0), h1.T @ d_h2, d_h2.sum(0), h2.T @ d_out, d_out.sum(0)]
+
+
+def tape_group_oracle(weights, x, y, head_clip, backbone_clip, loss_scale=None):
+    """The same group clipping as a tape loop (`tf.clip_by_global_norm`), any policy."""
+    model = make_net(activation=None)
+    model.set_weights(weights)
+    variables = model.trainable_variables
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), BATCH):
+            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
+            with tf.GradientTape() as tape:
+                pred = tf.cast(model(xb, training=True), "float32")
+                loss = scaled_loss(tf.reduce_mean(tf.square(pred - yb)), loss_scale)
+            grads = step_gradients(tape, loss, variables, loss_scale)
+            if grads is None:
+                continue
+            backbone, _ = tf.clip_by_global_norm(grads[:4], backbone_clip)
+            head, _ = tf.clip_by_global_norm(grads[4:], head_clip)
+            for v, g in zip(variables, backbone + head):
+                v.assign_sub(LR * g)
+    return model.get_weights()
+
+
+def group_rules():
+    return [
+        kt.ClipByGlobalNorm(GROUP_BACKBONE_CLIP, where="backbone*"),
+        kt.ClipByGlobalNorm(GROUP_HEAD_CLIP, where="head*"),
+    ]
+
+
+GROUP_VARIANTS = ["single", "mirrored", "mixed_float16", "jit_compile", "steps_per_execution"]
+
+
+@pytest.mark.parametrize("variant", GROUP_VARIANTS)
+def test_group_global_norm_matches_numpy(variant, request):
+    x, y = make_data()
+    weights = make_net(activation=None).get_weights()
+    expected, clips = numpy_group_oracle(
+        weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP
+    )
+    assert_every_rule_clips_sometimes(clips)
+    compile_kwargs = {
+        "jit_compile": {"jit_compile": True},
+        "steps_per_execution": {"steps_per_execution": 3},
+    }.get(variant, {})
+    if variant == "mixed_float16":
+        # float16 forward/backward cannot match float64 NumPy to 1e-5 (it is
+        # ~2e-2 off): the oracle is the same group clipping as a float16 tape
+        # loop, itself checked against NumPy in float32 below.
+        keras.config.set_dtype_policy("mixed_float16")
+        expected = tape_group_oracle(
+            weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP, HandLossScale()
+        )
+    scope = (
+        request.getfixturevalue("mirrored").scope()
+        if variant == "mirrored" else contextlib.nullcontext()
+    )
+    with scope:
+        model = net_with(weights, activation=None)
+        got = fit_weights(model, x, y, gradient_transforms=group_rules(), **compile_kwargs)
+    if variant == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_weights_close(got, expected)
+
+
+def test_group_tape_oracle_matches_numpy_in_float32():
+    """The tape-loop group oracle (used for mixed_float16) computes the NumPy thing."""
+    x, y = make_data()
+    weights = make_net(activation=None).get_weights()
+    expected, _ = numpy_group_oracle(weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP)
+    got = tape_group_oracle(weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP)
+    assert_weights_close(got, expected)
+
+
+def test_group_global_norm_comparison_can_fail():
+    """Unclipped, per-tensor, per-replica and loss-scaled clipping all differ."""
+    x, y = make_data()
+    weights = make_net(activation=None).get_weights()
+    expected, _ = numpy_group_oracle(weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP)
     unclipped, _ = numpy_group_oracle(weights, x, y, 1e9, 1e9)
-    assert not np.allclose(unclipped[4], expected[4], atol=1e-5)
+    assert not weights_close(unclipped, expected)
+    per_replica, _ = numpy_group_oracle(
+        weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP, replicas=2
+    )
+    assert not weights_close(per_replica, expected)
+    per_tensor = fit_weights(
+        net_with(weights, activation=None), x, y,
+        gradient_transforms=[
+            kt.ClipByNorm(GROUP_BACKBONE_CLIP, where="backbone*"),
+            kt.ClipByNorm(GROUP_HEAD_CLIP, where="head*"),
+        ],
+    )
+    assert not weights_close(per_tensor, expected)
+    keras.config.set_dtype_policy("mixed_float16")
+    float16 = tape_group_oracle(
+        weights, x, y, GROUP_HEAD_CLIP, GROUP_BACKBONE_CLIP, HandLossScale()
+    )
+    scaled = tape_group_oracle(
+        weights, x, y, GROUP_HEAD_CLIP / 2.0**15, GROUP_BACKBONE_CLIP / 2.0**15,
+        HandLossScale(),
+    )
+    assert not weights_close(scaled, float16)
 
 
+# ---------------------------------------------------------- tf.distribute
 def test_mirrored_two_replicas_equals_single_device(oracle, mirrored):
     with mirrored.scope():
-        model = make_net()
-        model.set_weights(oracle["weights"])
         got = fit_weights(
-            model, oracle["x"], oracle["y"],
+            fresh_net(oracle), oracle["x"], oracle["y"],
             gradient_transforms=two_rules("head*", "backbone*"),
         )
     assert_weights_close(got, oracle["expected"])
-
-
-def test_mirrored_global_norm_equals_single_device(mirrored):
-    """Group clipping sees the replica-summed gradient, not each replica's."""
-    x, y = make_data()
-    model = make_net(activation=None)
-    weights = model.get_weights()
-    expected, _ = numpy_group_oracle(weights, x, y, 0.5, 2.0)
-    with mirrored.scope():
-        model = make_net(activation=None)
-        model.set_weights(weights)
-        got = fit_weights(
-            model, x, y,
-            gradient_transforms=[
-                kt.ClipByGlobalNorm(2.0, where="backbone*"),
-                kt.ClipByGlobalNorm(0.5, where="head*"),
-            ],
-        )
-    assert_weights_close(got, expected)
 
 
 def test_one_all_reduce_per_optimizer_step(oracle, mirrored, monkeypatch):
@@ -248,23 +497,34 @@ def test_one_all_reduce_per_optimizer_step(oracle, mirrored, monkeypatch):
     assert calls == [6] * n_replicas
 
 
+# ---------------------------------------------------------- mixed precision
+def per_layer_scaled_by(factor):
+    return [Rule(r.name, r.selects, r.bound * factor, r.kind) for r in PER_LAYER]
+
+
 def test_mixed_float16_clips_unscaled_gradients(oracle):
+    """Thresholds act on unscaled gradients; overflowing steps are skipped as usual.
+
+    The large-target batch overflows float16 at the default scale 2**15, so
+    the oracle runs LossScaleOptimizer's rule by hand (skip, halve) too.
+    """
     keras.config.set_dtype_policy("mixed_float16")
     x, y = oracle["x"], oracle["y"]
-    expected, clipped = tape_oracle(oracle["weights"], x, y, per_layer_bound)
-    assert clipped > 0
-    model = make_net()
-    model.set_weights(oracle["weights"])
-    got = fit_weights(
-        model, x, y, gradient_transforms=two_rules("head*", "backbone*")
-    )
+    loss_scale = HandLossScale()
+    expected, clips = tape_oracle(oracle["weights"], x, y, PER_LAYER, loss_scale=loss_scale)
+    assert_every_rule_clips_sometimes(clips)
+    model = fresh_net(oracle)
+    got = fit_weights(model, x, y, gradient_transforms=two_rules("head*", "backbone*"))
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert_weights_close(got, expected)
+    assert float(model.optimizer.dynamic_scale.numpy()) == loss_scale.scale
+    assert int(model.optimizer.iterations.numpy()) == STEPS - loss_scale.skipped
     # Clipping the loss-scaled gradients instead would be far off.
     far, _ = tape_oracle(
-        oracle["weights"], x, y, lambda v: per_layer_bound(v) / 2.0**15
+        oracle["weights"], x, y, per_layer_scaled_by(2.0**-15),
+        loss_scale=HandLossScale(),
     )
-    assert not np.allclose(far[-2], expected[-2], atol=1e-5)
+    assert not weights_close(far, expected)
 
 
 def test_mirrored_and_mixed_float16_together(oracle, mirrored):
@@ -276,15 +536,20 @@ def test_mirrored_and_mixed_float16_together(oracle, mirrored):
     """
     keras.config.set_dtype_policy("mixed_float16")
     x, y = oracle["x"], oracle["y"]
-    expected, _ = tape_oracle(oracle["weights"], x, y, per_layer_bound)
+    loss_scale = HandLossScale()
+    expected, clips = tape_oracle(oracle["weights"], x, y, PER_LAYER, loss_scale=loss_scale)
+    assert_every_rule_clips_sometimes(clips)
     with mirrored.scope():
-        model = make_net()
-        model.set_weights(oracle["weights"])
-        got = fit_weights(
-            model, x, y, gradient_transforms=two_rules("head*", "backbone*")
-        )
+        model = fresh_net(oracle)
+        got = fit_weights(model, x, y, gradient_transforms=two_rules("head*", "backbone*"))
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert_weights_close(got, expected, atol=2e-4)
+    assert float(model.optimizer.dynamic_scale.numpy()) == loss_scale.scale
+    far, _ = tape_oracle(
+        oracle["weights"], x, y, per_layer_scaled_by(2.0**-15),
+        loss_scale=HandLossScale(),
+    )
+    assert not weights_close(far, expected, atol=2e-4)
 
 
 def test_mixed_float16_non_finite_step_is_skipped_and_scale_halves():
@@ -304,21 +569,87 @@ def test_mixed_float16_non_finite_step_is_skipped_and_scale_halves():
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+class ScaleRecorder(keras.callbacks.Callback):
+    """The loss scale after every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+
+
+def loss_scale_sequence(model, x, y, growth_steps, **compile_kwargs):
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(LR), initial_scale=16.0,
+        dynamic_growth_steps=growth_steps,
+    )
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    recorder = ScaleRecorder()
+    model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+        callbacks=[recorder],
+    )
+    return recorder.scales, int(optimizer.iterations.numpy())
+
+
+def expected_scales(finite, initial, growth_steps):
+    """The scale after each step by `HandLossScale`'s rule, given which steps are finite."""
+    loss_scale = HandLossScale(initial, growth_steps)
+    for ok in finite:
+        loss_scale.unscale([tf.constant(1.0 if ok else np.inf)])
+    return loss_scale.scales
+
+
+def test_mixed_float16_loss_scale_grows_like_stock_keras():
+    """Finite steps double the scale every `dynamic_growth_steps`, as in stock Keras.
+
+    Eight batches, the sixth non-finite: the scale goes 16 -> 32 -> 64, halves
+    to 32, then grows again. The stock model (same optimizer, no transforms)
+    and the hand-computed rule give the same sequence.
+    """
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = make_data(n=8 * BATCH)
+    x[5 * BATCH + 2, 0] = np.inf
+    finite = [True] * 5 + [False] + [True] * 2
+    weights = make_net().get_weights()
+
+    model = net_with(weights)
+    ours, our_steps = loss_scale_sequence(
+        model, x, y, growth_steps=2,
+        gradient_transforms=[
+            kt.ClipByNorm(HEAD_CLIP, where="head*"),
+            kt.ClipByGlobalNorm(BACKBONE_CLIP, where="backbone*"),
+        ],
+    )
+    stock = keras.Model.from_config(make_net().get_config())
+    assert not isinstance(stock, kt.TapeOpsMixin)
+    stock.set_weights(weights)
+    theirs, their_steps = loss_scale_sequence(stock, x, y, growth_steps=2)
+
+    assert ours == expected_scales(finite, 16.0, 2)
+    assert max(ours) == 64.0
+    assert ours == theirs
+    assert our_steps == their_steps == 7
+    # Companion: another growth period gives another sequence.
+    assert expected_scales(finite, 16.0, 3) != ours
+
+
+# ----------------------------------------------------- jit, steps_per_execution
 def test_jit_compile_and_steps_per_execution(oracle):
     for options in ({"jit_compile": True}, {"steps_per_execution": 3}):
-        model = make_net()
-        model.set_weights(oracle["weights"])
         got = fit_weights(
-            model, oracle["x"], oracle["y"],
+            fresh_net(oracle), oracle["x"], oracle["y"],
             gradient_transforms=two_rules("head*", "backbone*"),
             **options,
         )
         assert_weights_close(got, oracle["expected"])
 
 
+# ------------------------------------------------------------------ saving
 def test_save_load_keeps_transforms(oracle, tmp_path):
-    model = make_net()
-    model.set_weights(oracle["weights"])
+    model = fresh_net(oracle)
     model.compile(
         optimizer=keras.optimizers.SGD(LR), loss="mse",
         gradient_transforms=[
@@ -351,38 +682,107 @@ def test_selector_matching_nothing_fails_before_weights_change(oracle):
     assert_weights_close(model.get_weights(), before, atol=0)
 
 
-def test_embedding_sparse_gradients_clip_like_dense():
-    """IndexedSlices with repeated rows give the dense-gradient result."""
+# ---------------------------------------------------------- sparse gradients
+EMB_ROWS = 5
+EMB_VALUE_CLIP = 0.01
+EMB_GLOBAL_CLIP = 0.05
+
+
+def embedding_data():
     rng = np.random.default_rng(3)
-    tokens = rng.integers(0, 5, size=(32, 4)).astype("int32")  # many repeats
+    tokens = rng.integers(0, EMB_ROWS, size=(32, 4)).astype("int32")  # many repeats
     y = rng.normal(size=(32, 1)).astype("float32") * 5
+    return tokens, y
 
-    def build():
-        inputs = keras.Input((4,), dtype="int32")
-        h = keras.layers.Embedding(5, 3, name="emb")(inputs)
-        h = keras.layers.Flatten()(h)
-        return kt.upgrade(keras.Model(inputs, keras.layers.Dense(1, name="head")(h)))
 
-    model = build()
-    weights = model.get_weights()
-    reference = build()
-    reference.set_weights(weights)
+def embedding_net():
+    inputs = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(EMB_ROWS, 3, name="emb")(inputs)
+    h = keras.layers.Flatten()(h)
+    return kt.upgrade(keras.Model(inputs, keras.layers.Dense(1, name="head")(h)))
+
+
+def embedding_tape_oracle(weights, tokens, y, densify=True):
+    """Value clip on the embedding, then one global norm; `densify=False` clips raw slices."""
+    model = embedding_net()
+    model.set_weights(weights)
     for _ in range(EPOCHS):
-        for start in range(0, 32, BATCH):
+        for start in range(0, len(tokens), BATCH):
             with tf.GradientTape() as tape:
-                pred = reference(tokens[start:start + BATCH])
+                pred = model(tokens[start:start + BATCH])
                 loss = tf.reduce_mean(tf.square(pred - y[start:start + BATCH]))
-            grads = tape.gradient(loss, reference.trainable_variables)
-            grads = [tf.convert_to_tensor(g) for g in grads]  # densify
-            grads[0] = tf.clip_by_value(grads[0], -0.01, 0.01)
-            grads, _ = tf.clip_by_global_norm(grads, 0.05)
-            for v, g in zip(reference.trainable_variables, grads):
-                v.assign_sub(LR * g)
-    got = fit_weights(
-        model, tokens, y,
-        gradient_transforms=[
-            kt.ClipByValue(0.01, where="emb"),
-            kt.ClipByGlobalNorm(0.05),
-        ],
+            grads = tape.gradient(loss, model.trainable_variables)
+            assert isinstance(grads[0], tf.IndexedSlices)
+            if densify:
+                grads = [tf.convert_to_tensor(g) for g in grads]
+                grads[0] = tf.clip_by_value(grads[0], -EMB_VALUE_CLIP, EMB_VALUE_CLIP)
+            else:  # each slice row on its own, repeats not summed
+                values = tf.clip_by_value(grads[0].values, -EMB_VALUE_CLIP, EMB_VALUE_CLIP)
+                grads[0] = tf.IndexedSlices(values, grads[0].indices, grads[0].dense_shape)
+            grads, _ = tf.clip_by_global_norm(grads, EMB_GLOBAL_CLIP)
+            for v, g in zip(model.trainable_variables, grads):
+                v.assign_sub(LR * tf.convert_to_tensor(g))
+    return model.get_weights()
+
+
+class SeenTypes(kt.GradientTransform):
+    """Identity transform that records the gradient types it was traced with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def transform(self, grads, variables):
+        self.seen.append(tuple(type(g).__name__ for g in grads))
+        return list(grads)
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.parametrize("variant", ["single", "mirrored", "jit_compile"])
+def test_embedding_sparse_gradients_clip_like_dense(variant, request):
+    """IndexedSlices with repeated rows give the dense-gradient result.
+
+    Under MirroredStrategy the replica aggregation concatenates both replicas'
+    slices (more repeats); under XLA the row sums need a static row count.
+    """
+    tokens, y = embedding_data()
+    weights = embedding_net().get_weights()
+    expected = embedding_tape_oracle(weights, tokens, y)
+    spy = SeenTypes()
+    scope = (
+        request.getfixturevalue("mirrored").scope()
+        if variant == "mirrored" else contextlib.nullcontext()
     )
-    assert_weights_close(got, reference.get_weights())
+    with scope:
+        model = embedding_net()
+        model.set_weights(weights)
+        got = fit_weights(
+            model, tokens, y,
+            gradient_transforms=[
+                kt.ClipByValue(EMB_VALUE_CLIP, where="emb"),
+                kt.ClipByGlobalNorm(EMB_GLOBAL_CLIP),
+                spy,
+            ],
+            jit_compile=variant == "jit_compile",
+        )
+    assert spy.seen and all(kinds[0] == "IndexedSlices" for kinds in spy.seen)
+    assert_weights_close(got, expected)
+
+
+def test_embedding_comparison_can_fail():
+    """Clipping the raw slices (repeats not summed) gives other weights."""
+    tokens, y = embedding_data()
+    weights = embedding_net().get_weights()
+    expected = embedding_tape_oracle(weights, tokens, y)
+    naive = embedding_tape_oracle(weights, tokens, y, densify=False)
+    assert not weights_close(naive, expected)
+    unclipped = fit_weights(embedding_net_with(weights), tokens, y)
+    assert not weights_close(unclipped, expected)
+
+
+def embedding_net_with(weights):
+    model = embedding_net()
+    model.set_weights(weights)
+    return model

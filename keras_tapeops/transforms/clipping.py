@@ -33,6 +33,7 @@ def validate_threshold(value, name):
 
     Raises:
         TypeError: for a bool or a non-number. ValueError: for <= 0 or inf/nan.
+        Both messages show `value` as passed (its repr), not converted.
 
     Example:
     ```python
@@ -44,12 +45,13 @@ def validate_threshold(value, name):
             f"`{name}` must be a positive number. "
             f"Received: {name}={value!r} of type {type(value).__name__}"
         )
-    value = float(value)
-    if not value > 0 or value == float("inf"):
+    converted = float(value)
+    if not converted > 0 or converted == float("inf"):
+        # Show what the user passed (`0`, not the converted `0.0`).
         raise ValueError(
-            f"`{name}` must be a positive finite number. Received: {name}={value}"
+            f"`{name}` must be a positive finite number. Received: {name}={value!r}"
         )
-    return value
+    return converted
 
 
 @register
