@@ -1,5 +1,8 @@
 """Tests of `kt.WGANGP` against a keras.io-style hand-written WGAN-GP loop."""
 
+import json
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -77,7 +80,12 @@ def keras_io_gradient_penalty(critic, real, fake, alpha):
 
 
 def keras_io_train_step(gen, critic, g_opt, c_opt, real, gp_weight, critic_grad_fn=None):
-    """The keras.io WGAN-GP `train_step`, with deterministic noise and alpha."""
+    """The keras.io WGAN-GP `train_step`, with deterministic noise and alpha.
+
+    Returns the batch's `(critic_loss, gradient_penalty, generator_loss)` as
+    WGANGP logs them: the critic values averaged over the critic steps.
+    """
+    d_losses, gps = [], []
     for step in range(CRITIC_STEPS):
         z = latent_for(real, step, LATENT)
         with tf.GradientTape() as tape:
@@ -89,6 +97,8 @@ def keras_io_train_step(gen, critic, g_opt, c_opt, real, gp_weight, critic_grad_
                 critic, real, fake, alpha_for(real, step)[:, None]
             )
             d_loss = d_cost + gp * gp_weight
+        d_losses.append(float(d_loss))
+        gps.append(float(gp))
         grads = tape.gradient(d_loss, critic.trainable_variables)
         if critic_grad_fn is not None:
             grads = critic_grad_fn(grads)
@@ -98,25 +108,53 @@ def keras_io_train_step(gen, critic, g_opt, c_opt, real, gp_weight, critic_grad_
         g_loss = -tf.reduce_mean(critic(gen(z, training=True), training=True))
     grads = tape.gradient(g_loss, gen.trainable_variables)
     g_opt.apply_gradients(zip(grads, gen.trainable_variables))
-    return float(d_loss), float(gp), float(g_loss)
+    return float(np.mean(d_losses)), float(np.mean(gps)), float(g_loss)
 
 
 def sgd():
     return keras.optimizers.SGD(0.05)
 
 
+LOG_NAMES = ("critic_loss", "gradient_penalty", "generator_loss")
+
+
 def reference_run(x, epochs=1, gp_weight=GP_WEIGHT, critic_grad_fn=None, critic_opt=adam):
-    """Returns (initial weights, final weights) of the keras.io-style oracle."""
+    """Runs the keras.io-style oracle.
+
+    Returns `(initial weights, final weights, logs)`, `logs` mapping each of
+    `LOG_NAMES` to its per-epoch sample-weighted mean over the batches (what
+    History holds).
+    """
     gen, critic = make_generator(), make_critic()
     initial = (gen.get_weights(), critic.get_weights())
     g_opt, c_opt = adam(), critic_opt()
+    logs = {name: [] for name in LOG_NAMES}
     for _ in range(epochs):
+        values, sizes = [], []
         for start in range(0, len(x), BATCH):
-            keras_io_train_step(
-                gen, critic, g_opt, c_opt, tf.constant(x[start:start + BATCH]),
-                gp_weight, critic_grad_fn,
-            )
-    return initial, (gen.get_weights(), critic.get_weights())
+            real = tf.constant(x[start:start + BATCH])
+            values.append(keras_io_train_step(
+                gen, critic, g_opt, c_opt, real, gp_weight, critic_grad_fn,
+            ))
+            sizes.append(len(real))
+        for name, column in zip(LOG_NAMES, np.transpose(values)):
+            logs[name].append(float(np.average(column, weights=sizes)))
+    return initial, (gen.get_weights(), critic.get_weights()), logs
+
+
+def assert_logs_close(history, expected, atol=1e-5):
+    assert sorted(history.history) == sorted(LOG_NAMES)
+    for name in LOG_NAMES:
+        np.testing.assert_allclose(
+            history.history[name], expected[name], rtol=0, atol=atol, err_msg=name
+        )
+
+
+def max_log_difference(history, expected):
+    return max(
+        float(np.max(np.abs(np.subtract(history.history[name], expected[name]))))
+        for name in LOG_NAMES
+    )
 
 
 def build_gan(initial, gp_weight=GP_WEIGHT, cls=DeterministicWGANGP):
@@ -151,22 +189,25 @@ class HalveCriticGradients(kt.GradientTransform):
 )
 def test_fit_equals_keras_io_loop(options):
     x = ring_data(32)
-    initial, expected = reference_run(x)
+    initial, expected, expected_logs = reference_run(x)
     gan = build_gan(initial)
     gan.compile(generator_optimizer=adam(), critic_optimizer=adam(), **options)
-    gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    history = gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_submodels_close(gan, expected, atol=1e-5)
+    assert_logs_close(history, expected_logs)
     assert int(gan.critic_optimizer.iterations) == 2 * CRITIC_STEPS
     assert int(gan.generator_optimizer.iterations) == 2
 
 
 def test_comparison_fails_without_the_penalty():
     x = ring_data(32)
-    initial, expected = reference_run(x)
+    initial, expected, expected_logs = reference_run(x)
     gan = build_gan(initial, gp_weight=0.0)
     gan.compile(generator_optimizer=adam(), critic_optimizer=adam())
-    gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    history = gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert max_difference(gan, expected) > 1e-3
+    # The logged losses too differ far beyond the 1e-5 of assert_logs_close.
+    assert max_log_difference(history, expected_logs) > 1e-3
 
 
 def halve(grads):
@@ -177,7 +218,7 @@ def halve(grads):
 def test_mirrored_strategy_equals_single_device(mirrored, with_transform):
     x = ring_data(32)
     # SGD on the critic: a scaled gradient changes the step (Adam would not).
-    initial, expected = reference_run(
+    initial, expected, expected_logs = reference_run(
         x, critic_grad_fn=halve if with_transform else None, critic_opt=sgd
     )
     with mirrored.scope():
@@ -188,7 +229,11 @@ def test_mirrored_strategy_equals_single_device(mirrored, with_transform):
         )
     history = gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_submodels_close(gan, expected, atol=1e-5)
-    assert all(np.isfinite(v[0]) for v in history.history.values())
+    # The logged losses are those of the single-device run, not per-replica
+    # values or values scaled by 1 / num_replicas (which would be off by
+    # half of each value, far beyond the tolerance).
+    assert_logs_close(history, expected_logs)
+    assert min(abs(v) for name in LOG_NAMES for v in expected_logs[name]) > 1e-3
 
 
 def test_logged_losses_match_the_reference():
@@ -318,6 +363,140 @@ def test_save_load_resumes_training(tmp_path):
     assert_submodels_close(
         loaded, (gan.generator.get_weights(), gan.critic.get_weights()), atol=1e-6
     )
+
+
+def as_json(config):
+    return json.loads(json.dumps(config))
+
+
+def submodel_weights(gan):
+    return (gan.generator.get_weights(), gan.critic.get_weights())
+
+
+def test_callbacks_early_stopping_checkpoint_and_history(tmp_path):
+    x = ring_data(32)
+    initial, _, expected_logs = reference_run(x, epochs=2)
+    gan = build_gan(initial)
+    gan.compile(generator_optimizer=adam(), critic_optimizer=adam())
+    at_epoch_end = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: at_epoch_end.append(submodel_weights(gan))
+    )
+    # No later epoch can improve by 1e6: it stops after the second epoch and
+    # restores the weights of the first (the best). An unknown monitor would
+    # only warn and run all 10 epochs.
+    stop = keras.callbacks.EarlyStopping(
+        monitor="generator_loss", mode="min", patience=1, min_delta=1e6,
+        restore_best_weights=True,
+    )
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "gan_{epoch}.keras"))
+    history = gan.fit(x, batch_size=BATCH, epochs=10, shuffle=False, verbose=0,
+                      callbacks=[stop, checkpoint, record])
+    assert history is gan.history
+    assert history.epoch == [0, 1]
+    assert stop.stopped_epoch == 1 and stop.best_epoch == 0
+    assert_logs_close(history, expected_logs)
+    assert_submodels_close(gan, at_epoch_end[0], atol=0)
+    assert sorted(os.listdir(tmp_path)) == ["gan_1.keras", "gan_2.keras"]
+    for epoch, weights in enumerate(at_epoch_end):
+        saved = keras.models.load_model(str(tmp_path / f"gan_{epoch + 1}.keras"))
+        assert type(saved) is DeterministicWGANGP
+        assert_submodels_close(saved, weights, atol=0)
+        assert int(saved.critic_optimizer.iterations) == 2 * CRITIC_STEPS * (epoch + 1)
+    # The two epochs' weights differ: the weight checks above can fail.
+    assert max_difference(gan, at_epoch_end[1]) > 1e-3
+
+
+def test_early_stopping_on_a_missing_metric_runs_every_epoch():
+    # The companion of the test above: the stop there comes from reading
+    # `generator_loss`, not from something that stops any run.
+    x = ring_data(16)
+    gan = build_gan((make_generator().get_weights(), make_critic().get_weights()))
+    gan.compile(generator_optimizer=adam(), critic_optimizer=adam())
+    stop = keras.callbacks.EarlyStopping(
+        monitor="gen_loss", mode="min", patience=1, min_delta=1e6
+    )
+    with pytest.warns(UserWarning, match="gen_loss.*not available"):
+        history = gan.fit(x, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[stop])
+    assert history.epoch == [0, 1, 2]
+
+
+def fit_and_save_wgangp(tmp_path):
+    """A plain kt.WGANGP (random noise and alpha) fitted 2 steps and saved."""
+    x = ring_data(32)
+    gan = kt.WGANGP(make_generator(), make_critic(), latent_dim=LATENT,
+                    critic_steps=CRITIC_STEPS, gp_weight=GP_WEIGHT)
+    gan.compile(generator_optimizer=adam(), critic_optimizer=keras.optimizers.RMSprop(1e-2),
+                gradient_transforms=[kt.ClipByGlobalNorm(0.5, where="dense*")])
+    gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "wgangp.keras")
+    gan.save(path)
+    return x, gan, keras.models.load_model(path)
+
+
+def fit_seeded(gan, x, seed):
+    """One epoch whose noise and alpha draws depend only on `seed`.
+
+    Re-tracing the train function makes its random ops start their
+    sequences afresh from the seed, as a newly loaded model's do.
+    """
+    keras.utils.set_random_seed(seed)
+    gan.make_train_function(force=True)
+    return gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+def test_wgangp_save_load_restores_everything_and_resumes(tmp_path):
+    x, gan, loaded = fit_and_save_wgangp(tmp_path)
+    assert type(loaded) is kt.WGANGP
+    assert (loaded.latent_dim, loaded.critic_steps, loaded.gp_weight) == (
+        LATENT, CRITIC_STEPS, GP_WEIGHT)
+    # Through JSON, as in the saved file (tuples become lists).
+    assert as_json(loaded.get_config()) == as_json(gan.get_config())
+    assert_submodels_close(loaded, submodel_weights(gan), atol=0)
+    assert isinstance(loaded.generator_optimizer, keras.optimizers.Adam)
+    assert isinstance(loaded.critic_optimizer, keras.optimizers.RMSprop)
+    for ours, theirs in ((gan.generator_optimizer, loaded.generator_optimizer),
+                         (gan.critic_optimizer, loaded.critic_optimizer)):
+        assert ours.get_config() == theirs.get_config()
+        assert len(theirs.variables) == len(ours.variables)
+        for u, v in zip(ours.variables, theirs.variables):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+    assert int(loaded.critic_optimizer.iterations) == 2 * CRITIC_STEPS
+    assert int(loaded.generator_optimizer.iterations) == 2
+    (transform,) = loaded.gradient_transforms
+    assert isinstance(transform, kt.ClipByGlobalNorm)
+    assert transform.get_config() == gan.gradient_transforms[0].get_config()
+    assert as_json(loaded.get_compile_config()) == as_json(gan.get_compile_config())
+    before = submodel_weights(loaded)
+    a = fit_seeded(gan, x, seed=7)
+    b = fit_seeded(loaded, x, seed=7)
+    assert_submodels_close(loaded, submodel_weights(gan), atol=1e-6)
+    assert_logs_close(b, a.history, atol=1e-6)
+    assert max_difference(loaded, before) > 1e-3  # it did train
+
+
+def test_wgangp_resume_check_can_fail(tmp_path):
+    # Other random draws after loading give other weights: the 1e-6 check
+    # above compares runs whose noise and alpha really are the same.
+    x, gan, loaded = fit_and_save_wgangp(tmp_path)
+    fit_seeded(gan, x, seed=7)
+    fit_seeded(loaded, x, seed=8)
+    assert max_difference(loaded, submodel_weights(gan)) > 1e-3
+
+
+def test_registered_name():
+    assert keras.saving.get_registered_name(kt.WGANGP) == "keras_tapeops>WGANGP"
+    assert keras.saving.get_registered_object("keras_tapeops>WGANGP") is kt.WGANGP
+    assert (keras.saving.get_registered_name(DeterministicWGANGP)
+            == "test_gan>DeterministicWGANGP")
+
+
+def test_registered_name_check_can_fail():
+    class Unregistered(kt.WGANGP):
+        pass
+
+    assert keras.saving.get_registered_name(Unregistered) == "Unregistered"
 
 
 def test_config_round_trip():

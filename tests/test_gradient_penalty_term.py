@@ -33,30 +33,56 @@ def tapeops_model(initial_weights):
     return model
 
 
-def oracle_fit(model, x, y, weight, target, epochs):
-    """Hand-written loop: MSE + weight * mean((||d sum(pred)/dx|| - target)^2)."""
+def oracle_fit(model, x, y, weight, target, epochs, loss_scale=False,
+               clip_global_norm=None, activation_l2=None):
+    """Hand-written loop: MSE + weight * mean((||d sum(pred)/dx|| - target)^2).
+
+    Options for the combined tests: `loss_scale` wraps SGD in a
+    `LossScaleOptimizer` (for mixed_float16, the loss is scaled before the
+    outer gradient); `activation_l2` adds `activation_l2 * mean(hidden^2)`
+    of the "hidden" layer's output from the same forward pass;
+    `clip_global_norm` clips all gradients jointly (`tf.clip_by_global_norm`)
+    before the update. Returns the per-epoch History-style logs.
+    """
     optimizer = keras.optimizers.SGD(LR)
-    history = []
+    if loss_scale:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    hidden_layer, out_layer = model.get_layer("hidden"), model.get_layer("out")
+    logs = {"gradient_penalty": [], "act": [], "loss": [], "clipped_steps": 0}
     for _ in range(epochs):
-        penalties, sizes = [], []
+        epoch = {"gradient_penalty": [], "act": [], "loss": []}
+        sizes = []
         for start in range(0, len(x), BATCH):
             xb = tf.constant(x[start:start + BATCH])
             yb = tf.constant(y[start:start + BATCH])
             with tf.GradientTape() as tape:
                 with tf.GradientTape() as inner:
                     inner.watch(xb)
-                    pred = model(xb, training=True)
+                    # The Sequential model's call, layer by layer.
+                    hidden = hidden_layer(xb, training=True)
+                    pred = out_layer(hidden, training=True)
                 grad_x = inner.gradient(pred, xb)
                 norm = tf.sqrt(tf.reduce_sum(tf.square(grad_x), axis=1))
-                penalty = tf.reduce_mean(tf.square(norm - target))
-                mse = tf.reduce_mean(tf.square(yb - pred))
-                total = mse + weight * penalty
-            grads = tape.gradient(total, model.trainable_variables)
+                penalty = weight * tf.reduce_mean(tf.square(norm - target))
+                mse = tf.reduce_mean(tf.square(yb - tf.cast(pred, "float32")))
+                act = tf.constant(0.0)
+                if activation_l2 is not None:
+                    act = activation_l2 * tf.reduce_mean(
+                        tf.square(tf.cast(hidden, "float32"))
+                    )
+                total = mse + penalty + act
+                scaled = optimizer.scale_loss(total) if loss_scale else total
+            grads = tape.gradient(scaled, model.trainable_variables)
+            if clip_global_norm is not None:
+                grads, global_norm = tf.clip_by_global_norm(grads, clip_global_norm)
+                logs["clipped_steps"] += int(global_norm > clip_global_norm)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            penalties.append(float(weight * penalty))
+            for key, value in (("gradient_penalty", penalty), ("act", act), ("loss", total)):
+                epoch[key].append(float(value))
             sizes.append(len(xb))
-        history.append(np.average(penalties, weights=sizes))
-    return history
+        for key, values in epoch.items():
+            logs[key].append(np.average(values, weights=sizes))
+    return logs
 
 
 def compile_with_penalty(model, weight, target, **kwargs):
@@ -75,8 +101,14 @@ def oracle_and_initial(weight, target, epochs=2):
     x, y = data()
     oracle = plain_model()
     initial = oracle.get_weights()
-    expected = oracle_fit(oracle, x, y, weight, target, epochs)
+    expected = oracle_fit(oracle, x, y, weight, target, epochs)["gradient_penalty"]
     return x, y, oracle, initial, expected
+
+
+def max_weight_difference(a, b):
+    return max(
+        float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights())
+    )
 
 
 @pytest.mark.parametrize("target", [0.0, 1.0])
@@ -95,11 +127,7 @@ def test_comparison_fails_without_the_term():
     model = tapeops_model(initial)
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    diff = max(
-        float(np.abs(u - v).max())
-        for u, v in zip(model.get_weights(), oracle.get_weights())
-    )
-    assert diff > 1e-3
+    assert max_weight_difference(model, oracle) > 1e-3
 
 
 def test_mirrored_strategy_equals_single_device(mirrored):
@@ -124,16 +152,46 @@ def test_jit_compile_and_steps_per_execution(options):
     np.testing.assert_allclose(history.history["gradient_penalty"], expected, atol=1e-5)
 
 
-def test_mixed_precision_is_close_to_float32():
-    x, y, oracle, initial, expected = oracle_and_initial(0.5, 1.0)
+def mixed_precision_oracle(initial, weight):
+    """The nested-tape loop under mixed_float16 with a LossScaleOptimizer."""
+    x, y = data()
+    oracle = plain_model()
+    oracle.set_weights(initial)
+    assert oracle.compute_dtype == "float16"
+    logs = oracle_fit(oracle, x, y, weight, 1.0, epochs=2, loss_scale=True)
+    return oracle, logs
+
+
+def test_mixed_precision_equals_nested_tape_loop_under_mixed_float16():
+    x, y = data()
+    initial = plain_model().get_weights()
     keras.config.set_dtype_policy("mixed_float16")
+    oracle, expected = mixed_precision_oracle(initial, 0.5)
     model = tapeops_model(initial)
     compile_with_penalty(model, 0.5, 1.0)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert np.all(np.isfinite(history.history["gradient_penalty"]))
-    assert_weights_close(model, oracle, atol=2e-2)
-    np.testing.assert_allclose(history.history["gradient_penalty"], expected, rtol=2e-2)
+    # No step was skipped for overflow (else both would just stand still).
+    assert int(model.optimizer.iterations) == 2 * N // BATCH
+    assert_weights_close(model, oracle, atol=1e-4)
+    np.testing.assert_allclose(
+        history.history["gradient_penalty"], expected["gradient_penalty"], atol=1e-5
+    )
+    np.testing.assert_allclose(history.history["loss"], expected["loss"], atol=1e-4)
+
+
+@pytest.mark.parametrize("other_weight", [0.0, 0.25])
+def test_mixed_precision_comparison_can_fail(other_weight):
+    # Under mixed_float16, dropping or halving the penalty moves the weights
+    # and the logged penalty far beyond the tolerances used above.
+    initial = plain_model().get_weights()
+    keras.config.set_dtype_policy("mixed_float16")
+    oracle, expected = mixed_precision_oracle(initial, 0.5)
+    other, other_logs = mixed_precision_oracle(initial, other_weight)
+    assert max_weight_difference(other, oracle) > 1e-2
+    assert np.max(np.abs(
+        np.subtract(other_logs["gradient_penalty"], expected["gradient_penalty"])
+    )) > 1e-2
 
 
 def test_save_load_restores_term_and_resumes(tmp_path):
@@ -206,6 +264,65 @@ def test_dict_inputs_use_the_joint_norm():
     norm = tf.sqrt(tf.reduce_sum(ga**2, 1) + tf.reduce_sum(gb**2, 1))
     expected = float(tf.reduce_mean((norm - 0.5) ** 2))
     np.testing.assert_allclose(logs["gradient_penalty"], expected, rtol=1e-5)
+
+
+CLIP, ACT_L2 = 0.3, 0.5
+
+
+def compile_combined(model, clip=True, activation=True):
+    terms = [kt.GradientPenalty(weight=0.5, target=1.0)]
+    if activation:
+        terms.append(kt.ActivationPenalty("hidden", l2=ACT_L2, name="act"))
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=terms,
+        gradient_transforms=[kt.ClipByGlobalNorm(CLIP)] if clip else None,
+    )
+
+
+def test_with_global_norm_clipping_and_activation_penalty():
+    x, y = data()
+    oracle = plain_model()
+    initial = oracle.get_weights()
+    expected = oracle_fit(oracle, x, y, 0.5, 1.0, epochs=2,
+                          clip_global_norm=CLIP, activation_l2=ACT_L2)
+    # The clip acts on most steps, so a run without it could not pass.
+    assert expected["clipped_steps"] >= 4
+    model = tapeops_model(initial)
+    compile_combined(model)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, oracle, atol=1e-5)
+    for key in ("gradient_penalty", "act", "loss"):
+        np.testing.assert_allclose(history.history[key], expected[key], atol=1e-5,
+                                   err_msg=key)
+
+
+@pytest.mark.parametrize("drop", ["clip", "activation"])
+def test_combined_comparison_can_fail(drop):
+    x, y = data()
+    oracle = plain_model()
+    initial = oracle.get_weights()
+    oracle_fit(oracle, x, y, 0.5, 1.0, epochs=2,
+               clip_global_norm=CLIP, activation_l2=ACT_L2)
+    model = tapeops_model(initial)
+    compile_combined(model, clip=drop != "clip", activation=drop != "activation")
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(model, oracle) > 1e-3
+
+
+def test_registered_name():
+    assert (keras.saving.get_registered_name(kt.GradientPenalty)
+            == "keras_tapeops>GradientPenalty")
+    assert (keras.saving.get_registered_object("keras_tapeops>GradientPenalty")
+            is kt.GradientPenalty)
+    serialized = keras.saving.serialize_keras_object(kt.GradientPenalty())
+    assert serialized["registered_name"] == "keras_tapeops>GradientPenalty"
+
+
+def test_registered_name_check_can_fail():
+    class Unregistered(kt.GradientPenalty):
+        pass
+
+    assert keras.saving.get_registered_name(Unregistered) == "Unregistered"
 
 
 def test_config_round_trip():

@@ -8,11 +8,12 @@ import tensorflow as tf
 import keras_tapeops as kt
 
 
-def keras_io_gradient_penalty(critic, real, fake, alpha):
+def keras_io_gradient_penalty(critic, real, fake, alpha, target=1.0, axes=None):
     """The penalty of the keras.io WGAN-GP example, with `alpha` passed in.
 
     From https://keras.io/examples/generative/wgan_gp/ (`gradient_penalty`),
     the norm's axes generalized from `[1, 2, 3]` to all non-batch axes.
+    `target` and `axes` exist only for the tests showing the check can fail.
     """
     diff = fake - real
     interpolated = real + alpha * diff
@@ -20,9 +21,10 @@ def keras_io_gradient_penalty(critic, real, fake, alpha):
         gp_tape.watch(interpolated)
         pred = critic(interpolated, training=True)
     grads = gp_tape.gradient(pred, [interpolated])[0]
-    axes = list(range(1, len(grads.shape)))
+    if axes is None:
+        axes = list(range(1, len(grads.shape)))
     norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=axes))
-    return tf.reduce_mean((norm - 1.0) ** 2)
+    return tf.reduce_mean((norm - target) ** 2)
 
 
 def image_critic():
@@ -77,24 +79,87 @@ def test_matches_keras_io_value_and_weight_gradients(rng):
             np.testing.assert_allclose(g, r, rtol=0, atol=1e-5)
 
 
-def test_weight_gradient_check_can_fail(rng):
-    # A penalty that is not differentiated through the inner gradient
-    # (first-order only) gives different weight gradients.
+def test_value_check_can_fail(rng):
+    # The 1e-5 value check above tells apart a wrong target and a norm over
+    # the wrong axes (per channel instead of over all non-batch axes).
     critic = image_critic()
     real = tf.constant(rng.normal(size=(6, 4, 4, 2)), "float32")
     fake = tf.constant(rng.normal(size=(6, 4, 4, 2)), "float32")
     alpha = tf.constant(rng.uniform(size=(6, 1, 1, 1)), "float32")
-    _, ours = value_and_weight_grads(
-        lambda: kt.gradient_penalty(critic, real, fake, alpha=alpha), critic
+    ours = float(kt.gradient_penalty(critic, real, fake, alpha=alpha))
+    wrong_target = float(
+        keras_io_gradient_penalty(critic, real, fake, alpha, target=0.0)
     )
-    _, stopped = value_and_weight_grads(
-        lambda: tf.stop_gradient(keras_io_gradient_penalty(critic, real, fake, alpha))
-        + 0.0 * tf.add_n([tf.reduce_sum(v) for v in critic.trainable_variables]),
+    wrong_axes = float(
+        keras_io_gradient_penalty(critic, real, fake, alpha, axes=[1, 2])
+    )
+    np.testing.assert_allclose(
+        ours, float(keras_io_gradient_penalty(critic, real, fake, alpha)), atol=1e-5
+    )
+    assert abs(ours - wrong_target) > 1e-3
+    assert abs(ours - wrong_axes) > 1e-3
+
+
+def tanh_critic_penalty(critic, x_hat, hold_activation_derivative=False):
+    """Closed-form penalty of `dense_critic`: score = tanh(x W1 + b1) W2 + b2.
+
+    Its input gradient is `((1 - tanh(h)^2) * W2^T) W1^T`, written with the
+    critic's variables so the outer tape differentiates it directly. With
+    `hold_activation_derivative`, `1 - tanh(h)^2` is treated as a constant:
+    a first-order-only shortcut that still moves W1 and W2 (non-zero
+    gradients) but drops the second-derivative term of double backprop.
+    """
+    w1, b1, w2, _ = critic.trainable_variables
+    derivative = 1.0 - tf.square(tf.tanh(x_hat @ w1 + b1))
+    if hold_activation_derivative:
+        derivative = tf.stop_gradient(derivative)
+    grad_x = (derivative * tf.transpose(w2)) @ tf.transpose(w1)
+    norm = tf.sqrt(tf.reduce_sum(tf.square(grad_x), axis=1))
+    return tf.reduce_mean(tf.square(norm - 1.0))
+
+
+def test_weight_gradients_equal_closed_form_double_backprop(rng):
+    critic = dense_critic((3,))
+    real = tf.constant(rng.normal(size=(8, 3)), "float32")
+    fake = tf.constant(rng.normal(size=(8, 3)), "float32")
+    alpha = rng.uniform(size=(8,)).astype("float32")
+    x_hat = real + alpha[:, None] * (fake - real)
+    ours_value, ours = value_and_weight_grads(
+        lambda: kt.gradient_penalty(critic, real, fake, alpha=tf.constant(alpha)),
         critic,
     )
+    ref_value, ref = value_and_weight_grads(
+        lambda: tanh_critic_penalty(critic, x_hat), critic
+    )
+    np.testing.assert_allclose(ours_value, ref_value, rtol=0, atol=1e-6)
+    for g, r in zip(ours[:3], ref[:3]):  # W1, b1, W2 (b2 does not move it)
+        assert np.abs(r.numpy()).max() > 1e-3
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5)
+    assert ours[3] is None and ref[3] is None
+
+
+def test_weight_gradient_check_can_fail(rng):
+    # The first-order-only shortcut gives non-zero weight gradients that
+    # differ from double backprop far beyond the 1e-5 tolerance above.
+    critic = dense_critic((3,))
+    real = tf.constant(rng.normal(size=(8, 3)), "float32")
+    fake = tf.constant(rng.normal(size=(8, 3)), "float32")
+    alpha = rng.uniform(size=(8,)).astype("float32")
+    x_hat = real + alpha[:, None] * (fake - real)
+    _, ours = value_and_weight_grads(
+        lambda: kt.gradient_penalty(critic, real, fake, alpha=tf.constant(alpha)),
+        critic,
+    )
+    _, held = value_and_weight_grads(
+        lambda: tanh_critic_penalty(critic, x_hat, hold_activation_derivative=True),
+        critic,
+    )
+    assert np.abs(held[0].numpy()).max() > 1e-3  # non-zero, not a trivial check
+    assert np.abs(held[2].numpy()).max() > 1e-3
+    assert held[1] is None  # b1 only acts through the activation derivative
     assert max(
-        float(np.abs(a - b).max()) for a, b in zip(ours, stopped) if a is not None
-    ) > 1e-4
+        float(np.abs(ours[0] - held[0]).max()), float(np.abs(ours[2] - held[2]).max())
+    ) > 1e-3
 
 
 @pytest.mark.parametrize("shape", [(3,), (5, 2)])
@@ -122,21 +187,114 @@ def test_target_and_linear_critic_closed_form(rng):
         np.testing.assert_allclose(value, (norm - target) ** 2, rtol=1e-6)
 
 
-def test_random_alpha_is_uniform_per_sample():
-    # critic(x) = sum(x^2)/2 has input gradient x, so with real = 0 the norm
-    # is alpha * ||fake|| per sample and the target-0 penalty is
-    # mean(alpha^2) * ||fake||^2, with E[alpha^2] = 1/3 for U[0, 1].
+def recorded_alphas(alpha, n=4096, seed=0):
+    """Runs the penalty with `real = 0` and returns `(alphas, value, fake)`.
+
+    The critic `sum(x^2)/2` records the `x_hat = alpha * fake` it is called
+    on, so `x_hat / fake` recovers the alpha of every element; its input
+    gradient is `x_hat`, so the target-1 penalty is
+    `mean((||x_hat||_2 - 1)^2)`, computable in NumPy from the recording.
+    """
+    seen = []
+
     def critic(x, training=True):
+        seen.append(x.numpy())
         return 0.5 * tf.reduce_sum(tf.square(x), axis=1)
 
+    rng = np.random.default_rng(seed)
+    # |fake| in [0.5, 1.5] with random signs: no division by ~0.
+    fake = rng.uniform(0.5, 1.5, size=(n, 3)) * rng.choice([-1.0, 1.0], size=(n, 3))
+    fake = fake.astype("float32")
+    value = float(kt.gradient_penalty(critic, tf.zeros((n, 3)), tf.constant(fake),
+                                      alpha=alpha, target=1.0))
+    (x_hat,) = seen
+    return x_hat / fake, value, x_hat
+
+
+def alpha_problems(alphas):
+    """What is wrong with recorded per-element alphas for U[0, 1] per sample."""
+    problems = []
+    per_sample = alphas[:, 0]
+    if np.abs(alphas - per_sample[:, None]).max() > 1e-6:
+        problems.append("not shared by the features of a sample")
+    if per_sample.min() < 0.0 or per_sample.max() > 1.0:
+        problems.append("outside [0, 1]")
+    if len(np.unique(per_sample)) < 0.99 * len(per_sample):
+        problems.append("not one independent draw per sample")
+    # Kolmogorov-Smirnov distance to U[0, 1]; 1.95 / sqrt(n) is the 0.1% level.
+    ordered = np.sort(per_sample)
+    n = len(ordered)
+    ks = max(
+        np.max(np.arange(1, n + 1) / n - ordered), np.max(ordered - np.arange(n) / n)
+    )
+    if ks > 1.95 / np.sqrt(n):
+        problems.append(f"not uniform (KS distance {ks:.3f})")
+    return problems
+
+
+def test_random_alpha_is_uniform_and_drawn_per_sample():
+    alphas, value, x_hat = recorded_alphas(None)
+    assert alpha_problems(alphas) == []
+    # The value is the penalty of exactly these interpolations (NumPy oracle).
+    expected = np.mean((np.linalg.norm(x_hat.astype("float64"), axis=1) - 1.0) ** 2)
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad_alpha, problem",
+    [
+        (0.5, "not one independent draw per sample"),
+        (lambda n: tf.random.uniform((n, 3)), "not shared by the features"),
+        (lambda n: tf.random.uniform((n,), 0.0, 0.5), "not uniform"),
+    ],
+)
+def test_alpha_check_can_fail(bad_alpha, problem):
     n = 4096
-    real = tf.zeros((n, 2))
-    fake = tf.ones((n, 2))  # ||fake||^2 = 2
-    value = float(kt.gradient_penalty(critic, real, fake, target=0.0))
-    assert abs(value / 2.0 - 1.0 / 3.0) < 0.03
-    # alpha varies per sample (one shared alpha would give alpha^2 exactly).
-    one = float(kt.gradient_penalty(critic, real[:1], fake[:1], target=0.0)) / 2.0
-    assert 0.0 <= one <= 1.0
+    alpha = bad_alpha(n) if callable(bad_alpha) else bad_alpha
+    alphas, _, _ = recorded_alphas(alpha, n=n)
+    assert any(p.startswith(problem) for p in alpha_problems(alphas))
+
+
+def recorded_dict_interpolation(n=256):
+    """`x_hat` of a dict-input penalty with real = 0 and fake = 1 (= alpha)."""
+    seen = []
+
+    def critic(inputs, training=True):
+        seen.append({k: v.numpy() for k, v in inputs.items()})
+        return tf.reduce_sum(inputs["a"] ** 2, axis=1) + tf.reduce_sum(
+            inputs["b"] ** 2, axis=[1, 2]
+        )
+
+    real = {"a": tf.zeros((n, 2)), "b": tf.zeros((n, 2, 2))}
+    fake = {"a": tf.ones((n, 2)), "b": tf.ones((n, 2, 2))}
+    kt.gradient_penalty(critic, real, fake)
+    (x_hat,) = seen
+    return x_hat
+
+
+def alpha_shared_by_tensors(x_hat):
+    alpha = x_hat["a"][:, 0]
+    n = len(alpha)
+    return bool(
+        np.allclose(x_hat["a"], np.broadcast_to(alpha[:, None], (n, 2)), atol=1e-7)
+        and np.allclose(
+            x_hat["b"], np.broadcast_to(alpha[:, None, None], (n, 2, 2)), atol=1e-7
+        )
+        and len(np.unique(alpha)) > 0.95 * n
+    )
+
+
+def test_random_alpha_is_shared_by_the_tensors_of_a_sample():
+    assert alpha_shared_by_tensors(recorded_dict_interpolation())
+
+
+def test_shared_alpha_check_can_fail():
+    # One independent alpha per tensor (instead of per sample) is caught.
+    x_hat = recorded_dict_interpolation()
+    n = len(x_hat["a"])
+    own = np.random.default_rng(3).uniform(size=(n, 1, 1)).astype("float32")
+    x_hat["b"] = np.broadcast_to(own, (n, 2, 2))
+    assert not alpha_shared_by_tensors(x_hat)
 
 
 def test_zero_input_gradient_is_finite():
