@@ -6,7 +6,6 @@ as in `TapeOpsMixin.apply_optimizer_step`), and Keras-style loss scaling for
 `tf.distribute` and mixed precision.
 """
 
-import contextlib
 import numbers
 
 import keras
@@ -14,6 +13,7 @@ import tensorflow as tf
 
 from keras_tapeops import _keras_private as private
 from keras_tapeops import mixin
+from keras_tapeops import true_gradients
 from keras_tapeops.options import _validate_list
 from keras_tapeops.options import validate_positive_int
 from keras_tapeops.penalty import gradient_penalty
@@ -286,35 +286,14 @@ class WGANGP(keras.Model):
         if not self._critic_transforms:
             optimizer.apply_gradients(zip(grads, variables))
             return
-        context = tf.distribute.get_replica_context()
-        reduced = context is not None and context.num_replicas_in_sync > 1
-        if reduced:
-            present = [g for g in grads if g is not None]
-            summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
-            grads = [None if g is None else next(summed) for g in grads]
-        loss_scaled = private.is_loss_scale_optimizer(optimizer)
-        if loss_scaled:
-            scale = optimizer.dynamic_scale
-            grads = [mixin._map_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
-        new_grads = list(grads)
-        for transform in self._critic_transforms:
-            new_grads = list(transform(new_grads, variables))
-        if loss_scaled:
-            finite = mixin._all_finite(grads)
-            new_grads = [
-                mixin._map_values(
-                    mixin._keep_if_finite(finite, new, old),
-                    lambda v: v * tf.cast(scale, v.dtype),
-                )
-                for new, old in zip(new_grads, grads)
-            ]
-        guard = (
-            private.optimizer_all_reduce_disabled(optimizer)
-            if reduced
-            else contextlib.nullcontext()
+        true_gradients.apply_transformed(
+            optimizer, grads, variables, transform=self._transform_critic_gradients
         )
-        with guard:
-            optimizer.apply_gradients(zip(new_grads, variables))
+
+    def _transform_critic_gradients(self, grads, variables):
+        for transform in self._critic_transforms:
+            grads = list(transform(grads, variables))
+        return grads
 
     # ------------------------------------------------------------------ saving
     def get_config(self):

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_tapeops import _keras_private as private
 from keras_tapeops import capture
+from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.terms.base import TermContext
@@ -332,54 +333,22 @@ class TapeOpsMixin:
         Without gradient transforms this is the stock `apply_gradients` call.
         With them, transforms see unscaled (mixed precision) gradients summed
         over replicas (one all-reduce; the optimizer's own is skipped), and a
-        non-finite step still reaches the LossScaleOptimizer as non-finite.
+        non-finite step still reaches the LossScaleOptimizer as non-finite
+        (see `keras_tapeops.true_gradients`).
         """
         options = self._tapeops_options_or_default()
-        optimizer = self.optimizer
         if not options.transforms:
-            optimizer.apply_gradients(zip(grads, variables))
+            self.optimizer.apply_gradients(zip(grads, variables))
             return
-        if not optimizer.built:
-            # Stock apply_gradients builds lazily on the first trace; the
-            # loss scale must exist before the transforms read it.
-            optimizer.build(variables)
-        grads, reduced = self.aggregate_gradients(grads)
-        loss_scaled = private.is_loss_scale_optimizer(optimizer)
-        if loss_scaled:
-            scale = optimizer.dynamic_scale
-        elif optimizer.loss_scale_factor is not None:
-            # A static `loss_scale_factor`: its apply() divides it out again.
-            scale = optimizer.loss_scale_factor
-        else:
-            scale = None
-        if scale is not None:
-            grads = [_map_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
-        new_grads = self.transform_gradients(grads, variables)
-        if loss_scaled:
-            finite = _all_finite(grads)
-            new_grads = [
-                _keep_if_finite(finite, new, old) for new, old in zip(new_grads, grads)
-            ]
-        if scale is not None:
-            new_grads = [
-                _map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in new_grads
-            ]
-        guard = (
-            private.optimizer_all_reduce_disabled(optimizer)
-            if reduced
-            else contextlib.nullcontext()
+        true_gradients.apply_transformed(
+            self.optimizer, grads, variables,
+            transform=self.transform_gradients,
+            aggregate=self.aggregate_gradients,
         )
-        with guard:
-            optimizer.apply_gradients(zip(new_grads, variables))
 
     def aggregate_gradients(self, grads):
         """Sums `grads` over replicas once; returns `(grads, was_reduced)`."""
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return list(grads), False
-        present = [g for g in grads if g is not None]
-        reduced = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
-        return [None if g is None else next(reduced) for g in grads], True
+        return true_gradients.sum_over_replicas(grads)
 
     def transform_gradients(self, grads, variables):
         """Applies the compiled gradient transforms in list order.
@@ -453,35 +422,6 @@ def unscale_for_distribution(value):
     if n > 1:
         value = value * tf.cast(n, value.dtype)
     return value
-
-
-def _map_values(grad, fn):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
-    return fn(grad)
-
-
-def _all_finite(grads):
-    checks = [
-        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-        for g in grads
-        if g is not None
-    ]
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-
-
-def _keep_if_finite(finite, new, old):
-    """`new` where the step is finite, else the original non-finite `old`."""
-    if new is None or old is None:
-        return new
-    if isinstance(new, tf.IndexedSlices) and isinstance(old, tf.IndexedSlices):
-        if new.values.shape == old.values.shape:
-            return tf.IndexedSlices(
-                tf.where(finite, new.values, old.values), new.indices, new.dense_shape
-            )
-    return tf.where(finite, tf.convert_to_tensor(new), tf.convert_to_tensor(old))
 
 
 def _check_term_names_against_metrics(model, y=None, y_pred=None):
