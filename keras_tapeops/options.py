@@ -54,7 +54,7 @@ class TapeOpsOptions:
             loss_terms, Term, "loss_terms",
             "loss term (e.g. kt.LossTerm(fn) or kt.ActivationPenalty(...))",
         )
-        _check_unique_names(self.terms)
+        _check_term_names(self.terms)
         self.micro_batches = validate_positive_int(micro_batches, "micro_batches")
         self.accumulation_steps = validate_positive_int(
             accumulation_steps, "accumulation_steps"
@@ -154,14 +154,32 @@ def _validate_list(values, kind, name, example):
     return list(values)
 
 
-def _check_unique_names(terms):
-    seen = set()
-    for term in terms:
-        if term.name in seen or term.name == "loss":
+def _check_term_names(terms):
+    """Term names key History and every callback's logs, so they must be distinct.
+
+    A name must be unique, must not be `"loss"` (the logged total) and must
+    not start with `"val_"`: Keras logs validation values as `val_<name>`, so
+    a term named `"val_loss"` (or `"val_<other term>"`) would be overwritten
+    by, or overwrite, a validation entry.
+    """
+    first_index = {}
+    for i, term in enumerate(terms):
+        name = term.name
+        if name == "loss":
             raise ValueError(
-                "Every loss term needs a unique name other than 'loss'. "
-                f"Received: loss_terms with a second term named {term.name!r}"
-                if term.name != "loss"
-                else "A loss term cannot be named 'loss'. Received: name='loss'"
+                "A loss term cannot be named 'loss': `loss` is the logged "
+                f"total. Received: loss_terms[{i}].name='loss'"
             )
-        seen.add(term.name)
+        if name.startswith("val_"):
+            raise ValueError(
+                "A loss term name cannot start with 'val_': validation logs "
+                "are named 'val_<name>' and would clash with it. "
+                f"Received: loss_terms[{i}].name={name!r}"
+            )
+        if name in first_index:
+            raise ValueError(
+                f"Loss term names must be unique: loss_terms[{first_index[name]}] "
+                f"and loss_terms[{i}] are both named {name!r}. "
+                f"Received: loss_terms[{i}].name={name!r}"
+            )
+        first_index[name] = i

@@ -55,3 +55,148 @@ def test_options_are_visible_after_compile():
     assert model.tapeops_options.micro_batches == 3
     assert model.tapeops_options.accumulation_steps == 2
     assert model.get_compile_config()["micro_batches"] == 3
+
+
+# ------------------------------------------------------------ loss term names
+def _penalty(name, layer="backbone_dense"):
+    return kt.ActivationPenalty(layer, l2=1e-3, name=name)
+
+
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["act", "act"],
+         r"Loss term names must be unique: loss_terms\[0\] and loss_terms\[1\] "
+         r"are both named 'act'\. Received: loss_terms\[1\]\.name='act'"),
+        (["act", "head_l1", "act"],
+         r"loss_terms\[0\] and loss_terms\[2\] are both named 'act'\. "
+         r"Received: loss_terms\[2\]\.name='act'"),
+        (["loss"],
+         r"cannot be named 'loss'.*Received: loss_terms\[0\]\.name='loss'"),
+        (["act", "loss"], r"Received: loss_terms\[1\]\.name='loss'"),
+        (["val_loss"],
+         r"cannot start with 'val_'.*Received: loss_terms\[0\]\.name='val_loss'"),
+        (["act", "val_act"], r"Received: loss_terms\[1\]\.name='val_act'"),
+    ],
+)
+def test_bad_term_names_keep_the_previous_compilation(names, message):
+    x, y = classification_data()
+    model = kt.upgrade(sequential_model())
+    model.compile(optimizer="sgd", loss=CE, loss_terms=[_penalty("kept")])
+    optimizer, options = model.optimizer, model.tapeops_options
+    before = [w.copy() for w in model.get_weights()]
+    terms = [_penalty(n, "backbone_dense" if i % 2 == 0 else "head")
+             for i, n in enumerate(names)]
+    with pytest.raises(ValueError, match=message):
+        model.compile(optimizer="adam", loss="mse", loss_terms=terms)
+    assert model.optimizer is optimizer
+    assert model.tapeops_options is options
+    assert [t.name for t in model.tapeops_options.terms] == ["kept"]
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = model.fit(x, y, verbose=0, epochs=1).history
+    assert sorted(history) == ["kept", "loss"]  # the earlier compile is in force
+
+
+@pytest.mark.parametrize(
+    "names", [["act", "act_2"], ["loss_2"], ["validation"], ["val"], ["my_val_act"]]
+)
+def test_term_names_that_do_not_clash_are_accepted(names):
+    """Companion of the test above: the name checks reject only real clashes."""
+    model = kt.upgrade(sequential_model())
+    terms = [_penalty(n, "backbone_dense" if i % 2 == 0 else "head")
+             for i, n in enumerate(names)]
+    model.compile(optimizer="sgd", loss=CE, loss_terms=terms)
+    assert [t.name for t in model.tapeops_options.terms] == names
+
+
+class TrackedMetricNet(kt.TapeOpsMixin, keras.Model):
+    """A subclassed model that tracks its own metric named `extra`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, name="hidden")
+        self.out = keras.layers.Dense(3, name="out")
+        self.extra = keras.metrics.Mean(name="extra")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _tracked_metric_net(term_name):
+    x, y = classification_data()
+    model = TrackedMetricNet()
+    model(x[:1])
+    model.compile(
+        optimizer="sgd", loss=CE,
+        loss_terms=[kt.ActivationPenalty("hidden", l2=1e-3, name=term_name)],
+    )
+    return model, x, y
+
+
+def test_term_name_clashing_with_a_model_metric_fails_before_training():
+    model, x, y = _tracked_metric_net("extra")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(
+        ValueError,
+        match=r"Loss term name 'extra' clashes with a metric of the model "
+        r"\(\['extra', 'loss'\]\)\. Received: name='extra'",
+    ):
+        model.fit(x, y, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_same_model_with_a_free_term_name_trains():
+    """Companion: the weights-untouched check above can fail (training moves them)."""
+    model, x, y = _tracked_metric_net("act")
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(x, y, verbose=0).history
+    assert "act" in history
+    assert max(float(np.max(np.abs(a - b)))
+               for a, b in zip(before, model.get_weights())) > 1e-4
+
+
+@pytest.mark.parametrize("clash", ["compiled_metric", "per_output_loss"])
+def test_term_name_clashing_with_a_compiled_metric_fails_before_training(clash):
+    """Compiled metrics and per-output losses are only named once Keras builds
+    them (first traced step); the clash must still fail before any update."""
+    x, y = classification_data()
+    if clash == "compiled_metric":
+        model = kt.upgrade(sequential_model())
+        compile_kwargs = {"loss": CE, "metrics": ["accuracy"]}
+        name, targets = "accuracy", y
+    else:
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, name="backbone_dense")(inputs)
+        model = kt.upgrade(keras.Model(inputs, {
+            "o1": keras.layers.Dense(1, name="o1")(hidden),
+            "o2": keras.layers.Dense(1, name="o2")(hidden),
+        }))
+        compile_kwargs = {"loss": {"o1": "mse", "o2": "mse"}}
+        name = "o1_loss"
+        targets = {"o1": y[:, None].astype("float32"), "o2": y[:, None] * 0.5}
+    model.compile(optimizer="sgd", loss_terms=[_penalty(name)], **compile_kwargs)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(
+        ValueError,
+        match=rf"Loss term name {name!r} clashes with a metric of the model "
+        rf"\(.*{name!r}.*\)\. Received: name={name!r}",
+    ):
+        model.fit(x, targets, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_compiled_metric_and_per_output_loss_keep_their_names_next_to_terms():
+    """Companion: free term names train and are logged beside the metrics."""
+    x, y = classification_data()
+    model = kt.upgrade(sequential_model())
+    model.compile(optimizer="sgd", loss=CE, metrics=["accuracy"],
+                  loss_terms=[_penalty("act")])
+    history = model.fit(x, y, verbose=0).history
+    assert sorted(history) == ["accuracy", "act", "loss"]

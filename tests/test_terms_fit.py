@@ -249,6 +249,107 @@ def test_validation_reports_and_counts_terms():
     assert "train_only" in again
 
 
+NV, VAL_BATCH = 35, 10  # validation batches 10, 10, 10, 5 (split 3/2 on two replicas)
+
+
+class EpochEndWeights(keras.callbacks.Callback):
+    """The weights validation ran with: those at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append(self.model.get_weights())
+
+
+def numpy_validation(weights, xv, yv, beta=BETA, train_only=0.0):
+    """NumPy `(val_act, val_loss)`: sample-weighted means over validation batches.
+
+    `train_only` is the coefficient of a wrong oracle that also counts the
+    training-only `0.1 * mean(|logits|)` term in `val_loss`.
+    """
+    w1, b1, w2, b2 = [w.astype("float64") for w in weights]
+    acts, losses, sizes = [], [], []
+    for start in range(0, len(xv), VAL_BATCH):
+        xb, yb = xv[start : start + VAL_BATCH], yv[start : start + VAL_BATCH]
+        hidden = np.maximum(xb @ w1 + b1, 0.0)
+        logits = hidden @ w2 + b2
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        cross_entropy = -np.mean(log_probs[np.arange(len(yb)), yb])
+        act = beta * np.mean(np.square(hidden))
+        acts.append(act)
+        losses.append(cross_entropy + act + train_only * np.mean(np.abs(logits)))
+        sizes.append(len(xb))
+    return np.average(acts, weights=sizes), np.average(losses, weights=sizes)
+
+
+def fit_with_validation(weights, strategy=None):
+    x, y = make_data()
+    xv, yv = make_data(NV, seed=1)
+    with strategy.scope() if strategy is not None else _null_scope():
+        model = kt.upgrade(make_stock_model())
+        model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss_terms=[
+                kt.ActivationPenalty("hidden", l2=BETA, name="act"),
+                kt.ActivationPenalty(
+                    "out", l1=0.1, name="train_only", in_validation=False
+                ),
+            ],
+        )
+    recorder = EpochEndWeights()
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        validation_data=(xv, yv), validation_batch_size=VAL_BATCH,
+        callbacks=[recorder],
+    ).history
+    return history, recorder.weights
+
+
+@pytest.fixture(scope="module")
+def validation_runs(mirrored):
+    """One single-device and one MirroredStrategy x2 fit with validation."""
+    weights = initial_weights()
+    single, _ = fit_with_validation(weights)
+    multi, multi_weights = fit_with_validation(weights, strategy=mirrored)
+    keras.backend.clear_session()
+    return single, multi, multi_weights
+
+
+def test_mirrored_validation_terms_equal_single_device_and_numpy(validation_runs):
+    single, multi, multi_weights = validation_runs
+    expected_keys = ["act", "loss", "train_only", "val_act", "val_loss"]
+    assert sorted(single) == sorted(multi) == expected_keys
+    for key in ("val_act", "val_loss", "act", "loss"):
+        np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, err_msg=key)
+    xv, yv = make_data(NV, seed=1)
+    expected = np.array([numpy_validation(w, xv, yv) for w in multi_weights])
+    np.testing.assert_allclose(multi["val_act"], expected[:, 0], rtol=1e-5)
+    np.testing.assert_allclose(multi["val_loss"], expected[:, 1], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    ["term_not_counted", "summed_over_replicas", "training_only_term_counted"],
+)
+def test_mirrored_validation_check_can_fail(validation_runs, wrong):
+    """Companion: oracles of plausible mistakes are outside the tolerance."""
+    _, multi, multi_weights = validation_runs
+    xv, yv = make_data(NV, seed=1)
+    kwargs = {
+        "term_not_counted": {"beta": 0.0},
+        "summed_over_replicas": {"beta": 2 * BETA},
+        "training_only_term_counted": {"train_only": 0.1},
+    }[wrong]
+    expected = np.array([numpy_validation(w, xv, yv, **kwargs) for w in multi_weights])
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(multi["val_loss"], expected[:, 1], rtol=1e-5)
+
+
 def test_unknown_layer_fails_before_any_weight_change():
     x, y = make_data()
     model = kt.upgrade(make_stock_model())
