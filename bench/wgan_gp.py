@@ -2,7 +2,8 @@
 
 Same generator/critic architectures, data, batch size, critic steps and
 optimizers; both trained with `fit()` in one process, interleaved rounds.
-Prints the per-round epoch times and the median ratio, e.g. "1.01x stock fit".
+Prints the per-round epoch times and the median ratio, e.g.
+"1.01x the keras.io-style WGAN-GP".
 
 Usage: python bench/wgan_gp.py [rounds]
 """
@@ -123,8 +124,8 @@ def main(rounds=7):
         ratios.append(times["kt"] / times["stock"])
         print(f"round {i}: keras.io WGAN {times['stock'] * 1e3:7.1f} ms/epoch, "
               f"kt.WGANGP {times['kt'] * 1e3:7.1f} ms/epoch, ratio {ratios[-1]:.3f}")
-    print(f"kt.WGANGP: {np.median(ratios):.2f}x stock fit "
-          f"(keras.io-style WGAN-GP, median of {rounds} interleaved rounds, "
+    print(f"kt.WGANGP: {np.median(ratios):.2f}x the keras.io-style WGAN-GP "
+          f"(both with fit; median of {rounds} interleaved rounds, "
           f"{N // BATCH} steps x {CRITIC_STEPS} critic updates per epoch)")
 
 

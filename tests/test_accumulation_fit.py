@@ -14,44 +14,18 @@ import tensorflow as tf
 import keras_tapeops as kt
 from keras_tapeops import accumulation
 
-TOL = 2e-5
-
-
-def make_net(bn=False):
-    layers = [keras.Input((5,))]
-    if bn:
-        layers.append(keras.layers.BatchNormalization(momentum=0.9, name="bn"))
-    layers += [keras.layers.Dense(6, activation="tanh", name="hidden"),
-               keras.layers.Dense(2, name="head")]
-    return kt.upgrade(keras.Sequential(layers))
-
-
-def make_data(n=100, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 5)).astype("float32")
-    y = rng.normal(size=(n, 2)).astype("float32")
-    sw = rng.uniform(0.2, 2.0, size=(n,)).astype("float32")
-    return x, y, sw
+from accumulation_utils import TOL
+from accumulation_utils import assert_close
+from accumulation_utils import make_data
+from accumulation_utils import make_net
+from accumulation_utils import max_diff
+from accumulation_utils import to_int
 
 
 @pytest.fixture(scope="module")
 def initial_weights():
     keras.utils.set_random_seed(7)
     return make_net().get_weights()
-
-
-def assert_close(actual, expected, tol=TOL):
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, atol=tol, rtol=tol)
-
-
-def max_diff(a, b):
-    return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
-
-
-def to_int(variable):
-    return int(keras.ops.convert_to_numpy(variable))
 
 
 def stock_on_batches(weights, x, y, sw, bounds, optimizer=None, strategy=None):
