@@ -93,5 +93,6 @@ def main():
           f"gradient_transforms={[type(t).__name__ for t in opts.transforms]} and "
           f"loss_terms={[t.name for t in opts.terms]}")
 
+
 if __name__ == "__main__":
     main()

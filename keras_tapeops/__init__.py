@@ -14,7 +14,7 @@ from keras_tapeops.backend_check import require_tensorflow_backend
 
 require_tensorflow_backend()
 
-from keras_tapeops import accumulation  # noqa: E402  (kt.accumulation.micro_batch_sizes)
+from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
 from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
 from keras_tapeops.penalty import gradient_penalty  # noqa: E402
@@ -53,6 +53,4 @@ __all__ = [
     # Gradient penalties and GANs.
     "WGANGP",
     "gradient_penalty",
-    # micro_batches / accumulation_steps helpers.
-    "accumulation",
 ]

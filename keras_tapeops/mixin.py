@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import _keras_private as private
+from keras_tapeops import accumulation
 from keras_tapeops import capture
 from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
@@ -159,8 +160,6 @@ class TapeOpsMixin:
         """
         options = getattr(self, "_tapeops", None)
         if options is not None and options.accumulation_steps > 1:
-            from keras_tapeops import accumulation
-
             args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
         return super().fit(*args, **kwargs)
 
@@ -195,8 +194,6 @@ class TapeOpsMixin:
         for transform in options.transforms:
             transform.build(self, variables)
         if options.micro_batches > 1 or options.accumulation_steps > 1:
-            from keras_tapeops import accumulation
-
             accumulation.check_model(self, options)
             if options.accumulation_steps > 1:
                 with self.distribute_strategy.scope():
@@ -234,8 +231,6 @@ class TapeOpsMixin:
         """
         options = self._tapeops_options_or_default()
         if options.micro_batches > 1:
-            from keras_tapeops import accumulation
-
             return accumulation.micro_batch_gradients(
                 self, x, y, sample_weight, options.micro_batches
             )
@@ -337,7 +332,7 @@ class TapeOpsMixin:
         (see `keras_tapeops.true_gradients`).
         """
         options = self._tapeops_options_or_default()
-        if not options.transforms:
+        if not options.transforms and not self._overrides_gradient_hooks():
             self.optimizer.apply_gradients(zip(grads, variables))
             return
         true_gradients.apply_transformed(
@@ -347,13 +342,27 @@ class TapeOpsMixin:
         )
 
     def aggregate_gradients(self, grads):
-        """Sums `grads` over replicas once; returns `(grads, was_reduced)`."""
+        """Sums `grads` over replicas once; returns `(grads, was_reduced)`.
+
+        Runs when gradient transforms are compiled or a subclass overrides
+        `transform_gradients` or this hook; otherwise the optimizer
+        all-reduces as in stock Keras.
+        """
         return true_gradients.sum_over_replicas(grads)
+
+    def _overrides_gradient_hooks(self):
+        cls = type(self)
+        return (
+            cls.transform_gradients is not TapeOpsMixin.transform_gradients
+            or cls.aggregate_gradients is not TapeOpsMixin.aggregate_gradients
+        )
 
     def transform_gradients(self, grads, variables):
         """Applies the compiled gradient transforms in list order.
 
-        Override in a subclass to change gradients without rewriting the step.
+        Override in a subclass to change gradients without rewriting the step:
+        the override sees true gradients (unscaled, summed over replicas),
+        like the compiled transforms, also when none is compiled.
 
         Args:
             grads: list of true gradients (None and IndexedSlices allowed).
@@ -434,7 +443,7 @@ def _check_term_names_against_metrics(model, y=None, y_pred=None):
     options = getattr(model, "_tapeops", None)
     if options is None or not options.terms or not model.compiled:
         return
-    if getattr(options, "names_checked", False):
+    if options.names_checked:
         return
     taken = set(private.logged_metric_names(model, y, y_pred))
     for term in options.terms:

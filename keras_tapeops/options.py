@@ -65,6 +65,7 @@ class TapeOpsOptions:
         self.term_trackers = {}
         self.accumulator = None
         self.terms_built = False
+        self.names_checked = False  # term names seen against built metrics
         self.built = False
 
     @property

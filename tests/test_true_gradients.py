@@ -79,3 +79,42 @@ def test_apply_transformed_skips_a_non_finite_step_even_if_the_transform_fixes_i
     )
     np.testing.assert_array_equal(var.numpy(), [1.0])
     assert float(optimizer.dynamic_scale) == 4.0
+
+
+def test_apply_transformed_divides_out_a_static_loss_scale_factor():
+    """With `loss_scale_factor`, thresholds act on the unscaled gradient too."""
+    var = keras.Variable([1.0, 1.0])
+    optimizer = keras.optimizers.SGD(1.0, loss_scale_factor=8.0)
+    seen = []
+
+    def transform(grads, variables):
+        seen.append(grads[0].numpy())
+        return [tf.clip_by_value(g, -1.0, 1.0) for g in grads]
+
+    # The loss was multiplied by 8 before differentiation (scale_loss).
+    true_gradients.apply_transformed(optimizer, [tf.constant([8.0, 32.0])], [var], transform)
+    np.testing.assert_allclose(seen[0], [1.0, 4.0])
+    np.testing.assert_allclose(var.numpy(), [0.0, 0.0])  # 1 - clip([1, 4], 1)
+
+
+def test_static_loss_scale_factor_with_clipping_in_fit_equals_unscaled_training():
+    """fit with loss_scale_factor=8 and ClipByValue equals fit without the factor."""
+    import keras_tapeops as kt
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32") * 5
+
+    def train(factor):
+        keras.utils.set_random_seed(0)
+        model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=factor), loss="mse",
+            gradient_transforms=[kt.ClipByValue(0.5)],
+        )
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    plain, scaled = train(None), train(8.0)
+    for a, b in zip(plain, scaled):
+        np.testing.assert_allclose(a, b, atol=1e-6)
