@@ -12,31 +12,6 @@ LR = 0.1
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-@keras.saving.register_keras_serializable(package="test_hooks")
-class HalvedGradients(kt.TapeOpsMixin, keras.Model):
-    """The README example: halves every gradient after the compiled transforms."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
-        self.head = keras.layers.Dense(3, name="head")
-
-    def call(self, x):
-        return self.head(self.hidden(x))
-
-    def transform_gradients(self, grads, variables):
-        grads = super().transform_gradients(grads, variables)
-        return [None if g is None else g * 0.5 for g in grads]
-
-
-class SummedTwice(HalvedGradients):
-    """Overrides aggregate_gradients only (the transform stays the halving one)."""
-
-    def aggregate_gradients(self, grads):
-        grads, reduced = super().aggregate_gradients(grads)
-        return [None if g is None else g * 2.0 for g in grads], reduced
-
-
 class Plain(kt.TapeOpsMixin, keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -45,6 +20,22 @@ class Plain(kt.TapeOpsMixin, keras.Model):
 
     def call(self, x):
         return self.head(self.hidden(x))
+
+
+class HalvedGradients(Plain):
+    """The README example: halves every gradient after the compiled transforms."""
+
+    def transform_gradients(self, grads, variables):
+        grads = super().transform_gradients(grads, variables)
+        return [None if g is None else g * 0.5 for g in grads]
+
+
+class SummedTwice(HalvedGradients):
+    """Overrides aggregate_gradients too (the transform stays the halving one)."""
+
+    def aggregate_gradients(self, grads):
+        grads, reduced = super().aggregate_gradients(grads)
+        return [None if g is None else g * 2.0 for g in grads], reduced
 
 
 def fit(cls, weights, lr, strategy=None, **compile_kwargs):
