@@ -19,6 +19,7 @@ from keras_tapeops.options import validate_positive_int
 from keras_tapeops.penalty import gradient_penalty
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import apply_in_order
 
 _STOCK_COMPILE_KWARGS = ("run_eagerly", "steps_per_execution", "jit_compile", "auto_scale_loss")
 
@@ -287,13 +288,9 @@ class WGANGP(keras.Model):
             optimizer.apply_gradients(zip(grads, variables))
             return
         true_gradients.apply_transformed(
-            optimizer, grads, variables, transform=self._transform_critic_gradients
+            optimizer, grads, variables,
+            transform=lambda g, v: apply_in_order(self._critic_transforms, g, v),
         )
-
-    def _transform_critic_gradients(self, grads, variables):
-        for transform in self._critic_transforms:
-            grads = list(transform(grads, variables))
-        return grads
 
     # ------------------------------------------------------------------ saving
     def get_config(self):

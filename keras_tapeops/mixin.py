@@ -24,6 +24,7 @@ from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.terms.base import TermContext
+from keras_tapeops.transforms.base import apply_in_order
 
 
 class TapeOpsMixin:
@@ -48,6 +49,8 @@ class TapeOpsMixin:
     net.fit(x, y)
     ```
     """
+
+    _tapeops_evaluating = False  # True while evaluate()/test_on_batch() run
 
     # ------------------------------------------------------------------ compile
     def compile(
@@ -125,7 +128,7 @@ class TapeOpsMixin:
         """
         results = super().get_metrics_result()
         options = getattr(self, "_tapeops", None)
-        if options is not None and getattr(self, "_tapeops_evaluating", False):
+        if options is not None and self._tapeops_evaluating:
             for term in options.terms:
                 if not term.in_validation:
                     results.pop(term.name, None)
@@ -143,7 +146,7 @@ class TapeOpsMixin:
     def _evaluating(self):
         # A plain attribute set around evaluation (traced test steps read it
         # at trace time; the test function is only traced in evaluation).
-        previous = getattr(self, "_tapeops_evaluating", False)
+        previous = self._tapeops_evaluating
         object.__setattr__(self, "_tapeops_evaluating", True)
         try:
             yield
@@ -371,9 +374,9 @@ class TapeOpsMixin:
         Returns:
             The list of transformed gradients.
         """
-        for transform in self._tapeops_options_or_default().transforms:
-            grads = list(transform(grads, variables))
-        return grads
+        return apply_in_order(
+            self._tapeops_options_or_default().transforms, grads, variables
+        )
 
     # ---------------------------------------------------------------- helpers
     def _tapeops_options_or_default(self):

@@ -100,3 +100,25 @@ class GradientTransform:
             f"{type(self).__name__} with where={self.where!r} must be built "
             "on a model before use: call transform.build(model, variables)."
         )
+
+
+def apply_in_order(transforms, grads, variables):
+    """Applies `transforms` to `grads` one after another, in list order.
+
+    Args:
+        transforms: a list of `GradientTransform`s (built on `variables`).
+        grads: list of gradients, one per variable (None allowed).
+        variables: the matching variables.
+
+    Returns:
+        The list of transformed gradients.
+
+    Example:
+    ```python
+    grads = apply_in_order([kt.ClipByNorm(1.0), kt.ClipByValue(0.5)], grads, variables)
+    ```
+    """
+    grads = list(grads)
+    for transform in transforms:
+        grads = list(transform(grads, variables))
+    return grads
