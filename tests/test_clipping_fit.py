@@ -2,7 +2,8 @@
 
 Oracles: a hand-written `tf.GradientTape` loop clipping each variable with
 `tf.clip_by_norm` / `tf.clip_by_value` (rules applied in list order, each
-rule's clips counted), and a NumPy two-layer linear network with group
+rule's clips counted; each step a `tf.function`, like fit's, see
+`oracle_utils`), and a NumPy two-layer linear network with group
 global-norm clipping. Same initial weights, same batches (shuffle=False),
 plain SGD.
 """
@@ -16,6 +17,8 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
+
+from oracle_utils import graph_step
 
 LR = 0.05
 BATCH = 16
@@ -78,9 +81,8 @@ def value_rule(name, selects, bound):
 def apply_rule(rule, grad):
     """`(clipped gradient, whether the rule changed it)`, written with plain TF ops."""
     if rule.kind == "norm":
-        fired = bool(tf.norm(grad).numpy() > rule.bound)
-        return tf.clip_by_norm(grad, rule.bound), fired
-    fired = bool(tf.reduce_max(tf.abs(grad)).numpy() > rule.bound)
+        return tf.clip_by_norm(grad, rule.bound), tf.norm(grad) > rule.bound
+    fired = tf.reduce_max(tf.abs(grad)) > rule.bound
     return tf.clip_by_value(grad, -rule.bound, rule.bound), fired
 
 
@@ -103,15 +105,8 @@ class HandLossScale:
         self.scale, self.growth_steps, self.counter = initial, growth_steps, 0
         self.scales, self.skipped = [], 0
 
-    def scale_loss(self, loss):
-        return loss * self.scale
-
-    def unscale(self, grads):
-        """Unscaled gradients, or None for a skipped (non-finite) step."""
-        grads = [g / self.scale for g in grads]
-        finite = all(
-            np.all(np.isfinite(tf.convert_to_tensor(g).numpy())) for g in grads
-        )
+    def record(self, finite):
+        """Updates the scale after a step whose unscaled gradients were `finite`."""
         if finite:
             self.counter += 1
             if self.counter == self.growth_steps:
@@ -120,47 +115,119 @@ class HandLossScale:
             self.scale, self.counter = self.scale / 2, 0
             self.skipped += 1
         self.scales.append(self.scale)
+
+    def unscale(self, grads):
+        """Unscaled gradients, or None for a skipped (non-finite) step."""
+        grads = [g / self.scale for g in grads]
+        finite = all(
+            np.all(np.isfinite(tf.convert_to_tensor(g).numpy())) for g in grads
+        )
+        self.record(finite)
         return grads if finite else None
 
 
-def scaled_loss(loss, loss_scale):
-    """Inside the tape: the loss times the current scale (or the loss)."""
-    return loss if loss_scale is None else loss_scale.scale_loss(loss)
+def loss_scale_tensor(loss_scale):
+    """The current scale as a step argument (1.0, an exact no-op, for float32)."""
+    return tf.constant(1.0 if loss_scale is None else loss_scale.scale, "float32")
 
 
-def step_gradients(tape, loss, variables, loss_scale):
-    grads = tape.gradient(loss, variables)
-    return grads if loss_scale is None else loss_scale.unscale(grads)
+def unscaled_gradients(tape, scaled_loss, variables, scale):
+    """Inside a graph step: the gradients of `scaled_loss` (the loss times
+    `scale`, taken inside the tape) divided by `scale`, and whether they are
+    all finite."""
+    grads = [g / scale for g in tape.gradient(scaled_loss, variables)]
+    return grads, all_finite(grads)
 
 
-def tape_oracle(weights, x, y, rules, activation="tanh", loss_scale=None):
+def all_finite(grads):
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+
+
+def sgd_if(finite, variables, grads):
+    """Inside a graph step: SGD on `variables` unless the step is skipped."""
+
+    def apply():
+        for v, g in zip(variables, grads):
+            v.assign_sub(LR * g)
+        return tf.constant(True)
+
+    tf.cond(finite, apply, lambda: tf.constant(False))
+
+
+def tape_oracle(weights, x, y, rules, activation="tanh", loss_scale=None, replicas=1,
+                clip_per_replica=False):
     """Hand-written loop: per-variable rules in list order, then SGD.
 
     Returns the final weights and, per rule name, on how many of the steps
     the rule clipped at least one variable. Pass a `HandLossScale` under
-    mixed precision.
+    mixed precision. Each step runs as a `tf.function`, like fit's (see
+    `oracle_utils`: under mixed_float16 an eager step differs).
+
+    `replicas > 1` computes the batch's gradient the way MirroredStrategy's
+    replicas do: each equal share of the batch in its own forward/backward
+    pass with its loss divided by `replicas`, the shares' gradients summed in
+    float32, then clipped once (or, with `clip_per_replica`, the wrong way:
+    each share clipped before the sum). In float32 the split changes nothing
+    beyond rounding; under mixed_float16 each share's gradient is rounded to
+    float16 on its own, which is why two replicas are not bit-equal to one
+    device there.
     """
     model = make_net(activation)
     model.set_weights(weights)
+    variables = model.trainable_variables
+
+    def clip(grads, fired):
+        clipped = []
+        for v, g in zip(variables, grads):
+            for rule in rules:
+                if rule.selects(v):
+                    g, fired_here = apply_rule(rule, g)
+                    fired[rule.name] = fired[rule.name] | fired_here
+            clipped.append(g)
+        return clipped
+
+    def share_gradients(xb, yb, scale):
+        """The unscaled gradient of each replica's share of the batch."""
+        if replicas == 1:
+            shares = [(xb, yb)]
+        else:
+            shares = zip(tf.split(xb, replicas), tf.split(yb, replicas))
+        out = []
+        for xr, yr in shares:
+            with tf.GradientTape() as tape:
+                pred = tf.cast(model(xr, training=True), "float32")
+                loss = tf.reduce_mean(tf.square(pred - yr))
+                if replicas > 1:
+                    loss = loss / replicas
+                loss = loss * scale
+            out.append([g / scale for g in tape.gradient(loss, variables)])
+        return out
+
+    @graph_step
+    def step(xb, yb, scale):
+        fired = {rule.name: tf.constant(False) for rule in rules}
+        shares = share_gradients(xb, yb, scale)
+        # Checked before clipping: a value clip makes an inf gradient finite.
+        finite = all_finite([g for share in shares for g in share])
+        if clip_per_replica:
+            shares = [clip(share, fired) for share in shares]
+        grads = [tf.add_n(list(gs)) if replicas > 1 else gs[0] for gs in zip(*shares)]
+        if not clip_per_replica:
+            grads = clip(grads, fired)
+        sgd_if(finite, variables, grads)
+        return finite, fired
+
     clips = collections.Counter({rule.name: 0 for rule in rules})
     for _ in range(EPOCHS):
         for start in range(0, len(x), BATCH):
-            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
-            with tf.GradientTape() as tape:
-                pred = tf.cast(model(xb, training=True), "float32")
-                loss = scaled_loss(tf.reduce_mean(tf.square(pred - yb)), loss_scale)
-            grads = step_gradients(tape, loss, model.trainable_variables, loss_scale)
-            if grads is None:
-                continue
-            fired_this_step = set()
-            for v, g in zip(model.trainable_variables, grads):
-                for rule in rules:
-                    if rule.selects(v):
-                        g, fired = apply_rule(rule, g)
-                        if fired:
-                            fired_this_step.add(rule.name)
-                v.assign_sub(LR * g)
-            clips.update(fired_this_step)
+            finite, fired = step(
+                tf.constant(x[start:start + BATCH]), tf.constant(y[start:start + BATCH]),
+                loss_scale_tensor(loss_scale),
+            )
+            if loss_scale is not None:
+                loss_scale.record(bool(finite))
+            if bool(finite):
+                clips.update(name for name, f in fired.items() if bool(f))
     return model.get_weights(), clips
 
 
@@ -363,23 +430,33 @@ def _linear_grads(params, xb, yb, size):
 
 
 def tape_group_oracle(weights, x, y, head_clip, backbone_clip, loss_scale=None):
-    """The same group clipping as a tape loop (`tf.clip_by_global_norm`), any policy."""
+    """The same group clipping as a tape loop (`tf.clip_by_global_norm`), any policy.
+
+    Each step runs as a `tf.function`, like fit's (see `oracle_utils`).
+    """
     model = make_net(activation=None)
     model.set_weights(weights)
     variables = model.trainable_variables
+
+    @graph_step
+    def step(xb, yb, scale):
+        with tf.GradientTape() as tape:
+            pred = tf.cast(model(xb, training=True), "float32")
+            loss = tf.reduce_mean(tf.square(pred - yb)) * scale
+        grads, finite = unscaled_gradients(tape, loss, variables, scale)
+        backbone, _ = tf.clip_by_global_norm(grads[:4], backbone_clip)
+        head, _ = tf.clip_by_global_norm(grads[4:], head_clip)
+        sgd_if(finite, variables, backbone + head)
+        return finite
+
     for _ in range(EPOCHS):
         for start in range(0, len(x), BATCH):
-            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
-            with tf.GradientTape() as tape:
-                pred = tf.cast(model(xb, training=True), "float32")
-                loss = scaled_loss(tf.reduce_mean(tf.square(pred - yb)), loss_scale)
-            grads = step_gradients(tape, loss, variables, loss_scale)
-            if grads is None:
-                continue
-            backbone, _ = tf.clip_by_global_norm(grads[:4], backbone_clip)
-            head, _ = tf.clip_by_global_norm(grads[4:], head_clip)
-            for v, g in zip(variables, backbone + head):
-                v.assign_sub(LR * g)
+            finite = step(
+                tf.constant(x[start:start + BATCH]), tf.constant(y[start:start + BATCH]),
+                loss_scale_tensor(loss_scale),
+            )
+            if loss_scale is not None:
+                loss_scale.record(bool(finite))
     return model.get_weights()
 
 
@@ -530,26 +607,52 @@ def test_mixed_float16_clips_unscaled_gradients(oracle):
 def test_mirrored_and_mixed_float16_together(oracle, mirrored):
     """LossScaleOptimizer's merge_call path under two replicas, with transforms.
 
-    Tolerance 2e-4: float16 forward/backward on half batches rounds
-    differently from the single-device float16 oracle (clipping the
-    loss-scaled gradients instead would be off by ~1e-1).
+    Under mixed_float16 each replica's gradient is rounded to float16 on its
+    own, so two replicas are not bit-equal to one device (6e-5 apart here).
+    The oracle therefore computes the two half-batch gradients the way the
+    replicas do, sums them and clips once: then the comparison holds at the
+    float32 tolerance (measured 1.5e-8), and both wrong semantics (clipping
+    each replica's gradient, clipping the loss-scaled gradients) are 4e-2 and
+    2e-1 away.
     """
     keras.config.set_dtype_policy("mixed_float16")
     x, y = oracle["x"], oracle["y"]
     loss_scale = HandLossScale()
-    expected, clips = tape_oracle(oracle["weights"], x, y, PER_LAYER, loss_scale=loss_scale)
+    expected, clips = tape_oracle(
+        oracle["weights"], x, y, PER_LAYER, loss_scale=loss_scale, replicas=2
+    )
     assert_every_rule_clips_sometimes(clips)
     with mirrored.scope():
         model = fresh_net(oracle)
         got = fit_weights(model, x, y, gradient_transforms=two_rules("head*", "backbone*"))
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    assert_weights_close(got, expected, atol=2e-4)
+    assert_weights_close(got, expected)
     assert float(model.optimizer.dynamic_scale.numpy()) == loss_scale.scale
+    per_replica, _ = tape_oracle(
+        oracle["weights"], x, y, PER_LAYER, loss_scale=HandLossScale(), replicas=2,
+        clip_per_replica=True,
+    )
+    assert not weights_close(per_replica, expected)
     far, _ = tape_oracle(
         oracle["weights"], x, y, per_layer_scaled_by(2.0**-15),
-        loss_scale=HandLossScale(),
+        loss_scale=HandLossScale(), replicas=2,
     )
-    assert not weights_close(far, expected, atol=2e-4)
+    assert not weights_close(far, expected)
+
+
+def test_replica_split_oracle_is_the_single_device_step_in_float32(oracle):
+    """The oracle's two-share gradient is the one-device gradient (float32).
+
+    So the mirrored mixed_float16 test above checks single-device semantics,
+    up to the float16 rounding of each share; per-replica clipping is not.
+    """
+    two, _ = tape_oracle(oracle["weights"], oracle["x"], oracle["y"], PER_LAYER, replicas=2)
+    assert_weights_close(two, oracle["expected"])
+    per_replica, _ = tape_oracle(
+        oracle["weights"], oracle["x"], oracle["y"], PER_LAYER, replicas=2,
+        clip_per_replica=True,
+    )
+    assert not weights_close(per_replica, oracle["expected"])
 
 
 def test_mixed_float16_non_finite_step_is_skipped_and_scale_halves():

@@ -1,8 +1,9 @@
 """End-to-end tests of loss terms under `fit`, against a hand-written GradientTape loop.
 
-The oracle: a stock Keras model with the same initial weights, trained by an
-eager loop that adds `beta * mean(square(hidden_output))` to a sparse
-categorical cross-entropy, batch by batch in the same order (Adam, 2 epochs).
+The oracle: a stock Keras model with the same initial weights, trained by a
+hand-written loop (each step a `tf.function`, like fit's) that adds
+`beta * mean(square(hidden_output))` to a sparse categorical cross-entropy,
+batch by batch in the same order (Adam, 2 epochs).
 100 samples in batches of 16 leave a last batch of 4, so the sample weighting
 of the logged epoch mean matters.
 """
@@ -13,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
+
+from oracle_utils import graph_step
 
 N, BATCH, EPOCHS, BETA = 100, 16, 2, 0.5
 
@@ -41,7 +44,8 @@ def oracle_fit(
     """Hand-written loop; returns (final weights, per-epoch term means, losses).
 
     The term is `weight_fn(step) * term_fn(hidden, logits)`, by default
-    `BETA * mean(square(hidden))`.
+    `BETA * mean(square(hidden))`. Each step runs as a `tf.function`, like
+    fit's (see `oracle_utils`: under mixed_float16 an eager step differs).
     """
     term_fn = term_fn or (lambda hidden, logits: penalty_value(hidden))
     model = make_stock_model()
@@ -49,8 +53,22 @@ def oracle_fit(
     optimizer = keras.optimizers.Adam(0.01)
     if mixed:
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    optimizer.build(model.trainable_weights)  # before tracing: see graph_step
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     hidden_layer, out_layer = model.get_layer("hidden"), model.get_layer("out")
+
+    @graph_step
+    def step(xb, yb, weight):
+        with tf.GradientTape() as tape:
+            hidden = hidden_layer(xb, training=True)
+            logits = out_layer(hidden, training=True)
+            term = (weight / BETA) * term_fn(hidden, logits)
+            loss = loss_fn(yb, logits) + (term if with_term else 0.0)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_weights)
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        return term, loss
+
     term_means, loss_means = [], []
     for _ in range(EPOCHS):
         term_sum = loss_sum = 0.0
@@ -59,14 +77,9 @@ def oracle_fit(
             weight = BETA if weight_fn is None else BETA * weight_fn(
                 optimizer.iterations
             )
-            with tf.GradientTape() as tape:
-                hidden = hidden_layer(xb, training=True)
-                logits = out_layer(hidden, training=True)
-                term = (weight / BETA) * term_fn(hidden, logits)
-                loss = loss_fn(yb, logits) + (term if with_term else 0.0)
-                scaled = optimizer.scale_loss(loss)
-            grads = tape.gradient(scaled, model.trainable_weights)
-            optimizer.apply_gradients(zip(grads, model.trainable_weights))
+            term, loss = step(
+                tf.constant(xb), tf.constant(yb), tf.constant(weight, "float32")
+            )
             term_sum += float(term) * len(xb)
             loss_sum += float(loss) * len(xb)
         term_means.append(term_sum / len(x))
@@ -184,7 +197,25 @@ def test_mixed_float16_matches_hand_written_loop():
     assert model.get_layer("hidden").compute_dtype == "float16"
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert_weights_close(model.get_weights(), expected, atol=1e-5)
-    np.testing.assert_allclose(history["act"], term_means, rtol=1e-4)
+    np.testing.assert_allclose(history["act"], term_means, rtol=1e-5)
+
+
+@pytest.mark.parametrize("term", ["activation", "loss_term"])
+def test_mixed_float16_comparison_fails_without_the_term(term):
+    """Companion of the mixed_float16 comparisons: the term moves the weights
+    under mixed_float16 far beyond their tolerance (1e-5)."""
+    x, y = make_data()
+    weights = initial_weights()
+    keras.config.set_dtype_policy("mixed_float16")
+    without, _, _ = oracle_fit(weights, x, y, mixed=True, with_term=False)
+    if term == "activation":
+        model, _ = tapeops_fit(weights, x, y)
+    else:
+        model, _ = tapeops_fit(
+            weights, x, y, term=kt.LossTerm(mean_square_logits, name="logits_sq")
+        )
+    diffs = [np.max(np.abs(a - b)) for a, b in zip(model.get_weights(), without)]
+    assert max(diffs) > 1e-3
 
 
 def test_schedule_weight_follows_optimizer_step():
@@ -486,8 +517,8 @@ def test_loss_term_matches_hand_written_loop(variant, request):
     term = kt.LossTerm(mean_square_logits, name="logits_sq")
     model, history = tapeops_fit(weights, x, y, term=term, strategy=strategy, **kwargs)
     assert_weights_close(model.get_weights(), expected, atol=1e-5)
-    np.testing.assert_allclose(history["logits_sq"], term_means, rtol=1e-4)
-    np.testing.assert_allclose(history["loss"], loss_means, rtol=1e-4)
+    np.testing.assert_allclose(history["logits_sq"], term_means, rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], loss_means, rtol=1e-5)
 
 
 def compile_with_terms(model):
