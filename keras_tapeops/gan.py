@@ -14,10 +14,10 @@ import tensorflow as tf
 from keras_tapeops import _keras_private as private
 from keras_tapeops import mixin
 from keras_tapeops import true_gradients
-from keras_tapeops.options import _validate_list
-from keras_tapeops.options import validate_positive_int
+from keras_tapeops import validation
 from keras_tapeops.penalty import gradient_penalty
 from keras_tapeops.registration import register
+from keras_tapeops.registration import serialize_all
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import apply_in_order
 
@@ -67,9 +67,9 @@ class WGANGP(keras.Model):
     ):
         _check_model(generator, "generator")
         _check_model(critic, "critic")
-        latent_dim = validate_positive_int(latent_dim, "latent_dim")
-        critic_steps = validate_positive_int(critic_steps, "critic_steps")
-        gp_weight = _validate_gp_weight(gp_weight)
+        latent_dim = validation.positive_int(latent_dim, "latent_dim")
+        critic_steps = validation.positive_int(critic_steps, "critic_steps")
+        gp_weight = validation.non_negative_number(gp_weight, "gp_weight")
         super().__init__(**kwargs)
         self.generator = generator
         self.critic = critic
@@ -82,6 +82,7 @@ class WGANGP(keras.Model):
         self.generator_optimizer = None
         self.critic_optimizer = None
         self._critic_transforms = ()
+        self._bound_critic_transforms = ()
         self._build_submodels()
 
     def _build_submodels(self):
@@ -139,13 +140,12 @@ class WGANGP(keras.Model):
                 "different optimizer instances (each keeps its own state). "
                 f"Received: the same object twice: {critic_optimizer!r}"
             )
-        transforms = _validate_list(
+        transforms = validation.instances(
             gradient_transforms, GradientTransform, "gradient_transforms",
             "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
         )
         critic_variables = list(self.critic.trainable_variables)
-        for transform in transforms:
-            transform.build(self.critic, critic_variables)
+        bound = [(t, t.bind(self.critic, critic_variables)) for t in transforms]
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         if auto_scale_loss and self.dtype_policy.name == "mixed_float16":
             generator_optimizer = _loss_scaled(generator_optimizer, "generator")
@@ -153,7 +153,8 @@ class WGANGP(keras.Model):
         super().compile(optimizer=None, loss=None, auto_scale_loss=False, **kwargs)
         self.generator_optimizer = generator_optimizer
         self.critic_optimizer = critic_optimizer
-        self._critic_transforms = tuple(transforms)
+        self._critic_transforms = transforms
+        self._bound_critic_transforms = tuple(bound)
         self._wgangp_compile_kwargs = dict(kwargs)
 
     def make_train_function(self, force=False):
@@ -289,7 +290,7 @@ class WGANGP(keras.Model):
             return
         true_gradients.apply_transformed(
             optimizer, grads, variables,
-            transform=lambda g, v: apply_in_order(self._critic_transforms, g, v),
+            transform=lambda g, v: apply_in_order(self._bound_critic_transforms, g, v),
         )
 
     # ------------------------------------------------------------------ saving
@@ -321,9 +322,7 @@ class WGANGP(keras.Model):
             "critic_optimizer": keras.saving.serialize_keras_object(
                 self.critic_optimizer
             ),
-            "gradient_transforms": [
-                keras.saving.serialize_keras_object(t) for t in self._critic_transforms
-            ],
+            "gradient_transforms": serialize_all(self._critic_transforms, self.critic),
             **self._wgangp_compile_kwargs,
         }
 
@@ -355,18 +354,6 @@ def _check_model(model, name):
             f"`{name}` must be a Keras model or layer. "
             f"Received: {name}={model!r} of type {type(model).__name__}"
         )
-
-
-def _validate_gp_weight(gp_weight):
-    if isinstance(gp_weight, bool) or not isinstance(gp_weight, numbers.Real):
-        raise TypeError(
-            f"`gp_weight` must be a non-negative number. Received: gp_weight={gp_weight!r}"
-        )
-    if not gp_weight >= 0:
-        raise ValueError(
-            f"`gp_weight` must be a non-negative number. Received: gp_weight={gp_weight}"
-        )
-    return float(gp_weight)
 
 
 def _get_optimizer(identifier, name):

@@ -23,6 +23,7 @@ from keras_tapeops import capture
 from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.state import ModelState
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.transforms.base import apply_in_order
 
@@ -85,17 +86,24 @@ class TapeOpsMixin:
             accumulation_steps=accumulation_steps,
             batch_norm_updates=batch_norm_updates,
         )
+        optimizer = kwargs.get("optimizer", args[0] if args else None)
+        check_optimizer_conflicts(optimizer, options)
+        check_term_names_against_compile_args(options, args, kwargs)
+        # Resolve everything against this model before touching the previous
+        # compilation: a bad option leaves the model as it was.
+        state = ModelState(self, options)
         super().compile(*args, **kwargs)
-        options.create_trackers()
-        # A plain object attribute: Keras's tracker ignores it, so the term
+        state.create_trackers()
+        # Plain object attributes: Keras's tracker ignores them, so the term
         # metrics are listed once, through the `metrics` property below.
         self._tapeops = options
+        self._tapeops_state = state
 
     def get_compile_config(self):
         config = super().get_compile_config()
         options = getattr(self, "_tapeops", None)
         if config and options is not None:
-            config.update(options.get_config())
+            config.update(options.get_config(self))
         return config
 
     def compile_from_config(self, config):
@@ -112,11 +120,16 @@ class TapeOpsMixin:
         return getattr(self, "_tapeops", None)
 
     @property
+    def tapeops_state(self):
+        """This model's `ModelState`: what it resolved from its options (or None)."""
+        return getattr(self, "_tapeops_state", None)
+
+    @property
     def metrics(self):
         metrics = super().metrics
-        options = getattr(self, "_tapeops", None)
-        if options is not None and self.compiled:
-            metrics = metrics + list(options.term_trackers.values())
+        state = self.tapeops_state
+        if state is not None and self.compiled:
+            metrics = metrics + list(state.term_trackers.values())
         return metrics
 
     def get_metrics_result(self):
@@ -127,9 +140,9 @@ class TapeOpsMixin:
         does not report it: no `val_<name>` entry in History.
         """
         results = super().get_metrics_result()
-        options = getattr(self, "_tapeops", None)
+        options = self.tapeops_options
         if options is not None and self._tapeops_evaluating:
-            for term in options.terms:
+            for term in options.loss_terms:
                 if not term.in_validation:
                     results.pop(term.name, None)
         return results
@@ -161,7 +174,7 @@ class TapeOpsMixin:
         validation and before other callbacks' `on_epoch_end` (see
         `keras_tapeops.accumulation.AccumulationFlush`).
         """
-        options = getattr(self, "_tapeops", None)
+        options = self.tapeops_options
         if options is not None and options.accumulation_steps > 1:
             args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
         return super().fit(*args, **kwargs)
@@ -175,42 +188,23 @@ class TapeOpsMixin:
         return super().make_test_function(force=force)
 
     def build_tapeops(self):
-        """Resolves terms, selectors and state against the model, once.
+        """Binds this model's state to its variables once they exist; returns it.
 
-        Called before the first step and again inside the first traced step:
-        terms resolve their layers as soon as they exist; transforms and
-        accumulators wait until the model's variables exist (a model that is
-        built lazily by its first call). Every configuration error surfaces
-        here, before any weight changes.
+        Called before the first step (`make_train_function`) and inside the
+        first traced step, after the forward pass has built a lazily built
+        model. Returns None for a model compiled without the mixin's compile.
         """
-        options = getattr(self, "_tapeops", None)
-        if options is None or options.built:
-            return
-        if not options.terms_built:
-            for term in options.terms:
-                term.build(self)
-            _check_term_names_against_metrics(self)
-            options.terms_built = True
-        if not self.built:
-            return
-        variables = list(self.trainable_variables)
-        for transform in options.transforms:
-            transform.build(self, variables)
-        if options.micro_batches > 1 or options.accumulation_steps > 1:
-            accumulation.check_model(self, options)
-            if options.accumulation_steps > 1:
-                with self.distribute_strategy.scope():
-                    options.accumulator = accumulation.CrossBatchAccumulator(
-                        self, options.accumulation_steps
-                    )
-        options.built = True
+        state = self.tapeops_state
+        if state is not None and self.built:
+            state.bind_variables(self)
+        return state
 
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.build_tapeops()
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
-        self.build_tapeops()  # completes now if the forward pass built the model
+        self.build_tapeops()  # binds now if the forward pass built the model
         _check_term_names_against_metrics(self, y, y_pred)
         if self.trainable_weights:
             self.update_weights(grads, batch_size(x))
@@ -232,8 +226,8 @@ class TapeOpsMixin:
         Gradients are those of the optimizer-scaled loss, per replica, one per
         trainable variable.
         """
-        options = self._tapeops_options_or_default()
-        if options.micro_batches > 1:
+        options = self.tapeops_options
+        if options is not None and options.micro_batches > 1:
             return accumulation.micro_batch_gradients(
                 self, x, y, sample_weight, options.micro_batches
             )
@@ -265,8 +259,8 @@ class TapeOpsMixin:
             `(loss, y_pred)`: the replica-scaled total loss (not yet
             optimizer-scaled) and the model's outputs.
         """
-        options = self._tapeops_options_or_default()
-        terms = options.active_terms(training)
+        state = self.tapeops_state
+        terms = state.active_terms(training) if state is not None else []
         with self._forward_recorder(terms, x) as recorder:
             y_pred = private.call_model(self, x, training)
         loss = private.compute_loss(self, x, y, y_pred, sample_weight, training)
@@ -276,8 +270,15 @@ class TapeOpsMixin:
             recorder["activations"], recorder["tape"], recorder["watched"],
         )
         values = list(self.compute_terms(terms, context))
-        for term, value in zip(terms, values):
-            options.term_trackers[term.name].update_state(value, sample_weight=n)
+        if values:
+            # A batch of zero samples (a term's mean over nothing is nan)
+            # adds nothing, as stock Keras's loss does; the gradient of the
+            # masked value is zero, not nan.
+            values = [
+                tf.where(n > 0, tf.cast(v, "float32"), 0.0) for v in values
+            ]
+        for (term, _), value in zip(terms, values):
+            state.term_trackers[term.name].update_state(value, sample_weight=n)
         if values:
             total = tf.add_n([tf.cast(v, "float32") for v in values])
             loss = loss + tf.cast(scale_for_distribution(total), loss.dtype)
@@ -296,7 +297,9 @@ class TapeOpsMixin:
         loss (and so to the logged `loss`).
 
         Args:
-            terms: the active `kt.Term`s (training, or `in_validation` ones).
+            terms: the active `(kt.Term, state)` pairs (training, or
+                `in_validation` ones); `state` is what the term's
+                `bind(model)` returned for this model.
             context: the step's `kt.TermContext`.
 
         Returns:
@@ -311,17 +314,21 @@ class TapeOpsMixin:
         ```
         """
         step = self.optimizer.iterations if self.optimizer is not None else 0
-        return [
-            tf.cast(term.weight_at(step), "float32")
-            * tf.cast(term.call(context), "float32")
-            for term in terms
-        ]
+        values = []
+        for term, state in terms:
+            context.state = state
+            values.append(
+                tf.cast(term.weight_at(step), "float32")
+                * tf.cast(term.call(context), "float32")
+            )
+        context.state = None
+        return values
 
     def update_weights(self, grads, n_samples):
         """Applies `grads` now, or adds them to the cross-batch window."""
-        options = self._tapeops_options_or_default()
-        if options.accumulator is not None:
-            options.accumulator.add(self, grads, n_samples)
+        state = self.tapeops_state
+        if state is not None and state.accumulator is not None:
+            state.accumulator.add(self, grads, n_samples)
         else:
             self.apply_optimizer_step(grads, self.trainable_weights)
 
@@ -334,8 +341,9 @@ class TapeOpsMixin:
         non-finite step still reaches the LossScaleOptimizer as non-finite
         (see `keras_tapeops.true_gradients`).
         """
-        options = self._tapeops_options_or_default()
-        if not options.transforms and not self._overrides_gradient_hooks():
+        options = self.tapeops_options
+        has_transforms = options is not None and options.gradient_transforms
+        if not has_transforms and not self._overrides_gradient_hooks():
             self.optimizer.apply_gradients(zip(grads, variables))
             return
         true_gradients.apply_transformed(
@@ -374,21 +382,18 @@ class TapeOpsMixin:
         Returns:
             The list of transformed gradients.
         """
-        return apply_in_order(
-            self._tapeops_options_or_default().transforms, grads, variables
-        )
+        state = self.tapeops_state
+        if state is None or not state.transforms:
+            return list(grads)
+        return apply_in_order(state.transforms, grads, variables)
 
     # ---------------------------------------------------------------- helpers
-    def _tapeops_options_or_default(self):
-        options = getattr(self, "_tapeops", None)
-        if options is None:
-            options = TapeOpsOptions()
-        return options
-
     @contextlib.contextmanager
     def _forward_recorder(self, terms, x):
-        layers = [layer for term in terms for layer in term.layers_to_capture()]
-        wants_input_grads = any(term.needs_input_gradients for term in terms)
+        layers = [
+            layer for term, state in terms for layer in term.layers_to_capture(state)
+        ]
+        wants_input_grads = any(term.needs_input_gradients for term, _ in terms)
         record = {"activations": {}, "tape": None, "watched": None}
         with capture.recording_outputs(layers) as activations:
             record["activations"] = activations
@@ -436,24 +441,101 @@ def unscale_for_distribution(value):
     return value
 
 
-def _check_term_names_against_metrics(model, y=None, y_pred=None):
+def _check_term_names_against_metrics(model, y, y_pred):
     """Raises if a loss term's name is also a name stock Keras logs.
 
-    Runs before the first step (names known then) and again in the first
-    traced step after the forward pass, when Keras has built the compiled
-    metrics and per-output losses, and before any weight update.
+    Runs in the first traced step after the forward pass, when Keras has
+    built the compiled metrics and per-output losses, before any weight
+    update (`compile()` already checked the names it could see). A failed
+    check stores nothing: compiling again with a fixed name works.
     """
-    options = getattr(model, "_tapeops", None)
-    if options is None or not options.terms or not model.compiled:
-        return
-    if options.names_checked:
+    state = model.tapeops_state
+    if state is None or not state.terms or state.metric_names_checked:
         return
     taken = set(private.logged_metric_names(model, y, y_pred))
-    for term in options.terms:
+    for term, _ in state.terms:
         if term.name in taken:
             raise ValueError(
                 f"Loss term name {term.name!r} clashes with a metric of the "
                 f"model ({sorted(taken)}). Received: name={term.name!r}"
             )
-    if y_pred is not None:
-        options.names_checked = True  # compiled metrics were built and seen
+    state.metric_names_checked = True
+
+
+def check_term_names_against_compile_args(options, args, kwargs):
+    """Raises at `compile()` if a term is named like a metric passed to it.
+
+    Covers metrics given by name or as objects and per-output losses of dict
+    losses; names Keras resolves later are checked in the first step.
+
+    Args:
+        options: the validated `TapeOpsOptions`.
+        args, kwargs: the stock `compile()` arguments.
+
+    Returns:
+        None.
+    """
+    if not options.loss_terms:
+        return
+    names = set()
+    for key in ("metrics", "weighted_metrics"):
+        for metric in tf.nest.flatten(kwargs.get(key) or []):
+            name = metric if isinstance(metric, str) else getattr(metric, "name", None)
+            names.add(name)
+    loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
+    if isinstance(loss, dict):
+        names.update(f"{output}_loss" for output in loss)
+    for term in options.loss_terms:
+        if term.name in names:
+            raise ValueError(
+                f"Loss term name {term.name!r} clashes with a metric or loss "
+                f"passed to compile() ({sorted(n for n in names if n)}). "
+                f"Received: name={term.name!r}"
+            )
+
+
+_OPTIMIZER_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def check_optimizer_conflicts(optimizer, options):
+    """Refuses optimizer options that keras_tapeops options would stack on.
+
+    - the optimizer's `clipnorm`/`clipvalue`/`global_clipnorm` with
+      `gradient_transforms`: clip with `kt.ClipByNorm`/`kt.ClipByValue`/
+      `kt.ClipByGlobalNorm` in the transform list instead (they act on true
+      gradients, in list order);
+    - the optimizer's `gradient_accumulation_steps` with `micro_batches`,
+      `accumulation_steps` or `gradient_transforms`: use `accumulation_steps`
+      (the optimizer would accumulate after the transforms, and windows
+      would multiply: 4 x 2 = 8 batches).
+
+    Args:
+        optimizer: what was passed to `compile(optimizer=...)` (a name, an
+            instance, a LossScaleOptimizer, or None).
+        options: the validated `TapeOpsOptions`.
+
+    Returns:
+        None. Raises ValueError naming both options.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if options.gradient_transforms:
+        for name in _OPTIMIZER_CLIPPING:
+            value = getattr(inner, name, None)
+            if value is not None:
+                raise ValueError(
+                    f"The optimizer's `{name}` would clip on top of "
+                    "`gradient_transforms`. Put the clipping in the transform "
+                    "list instead (kt.ClipByNorm, kt.ClipByValue or "
+                    "kt.ClipByGlobalNorm replace clipnorm, clipvalue and "
+                    f"global_clipnorm). Received: {name}={value!r}"
+                )
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if steps and (options.accumulates or options.gradient_transforms):
+        raise ValueError(
+            "The optimizer's `gradient_accumulation_steps` cannot be combined "
+            "with keras_tapeops' micro_batches, accumulation_steps or "
+            "gradient_transforms: compile(accumulation_steps=k) replaces it. "
+            f"Received: gradient_accumulation_steps={steps!r}"
+        )

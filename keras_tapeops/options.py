@@ -1,7 +1,14 @@
-"""Validation, state and serialization of the keras_tapeops compile options."""
+"""The keras_tapeops compile options: validated, immutable configuration.
+
+What a model resolves from them (bound transforms and terms, trackers, the
+accumulator) is that model's own state: see `keras_tapeops.state`.
+"""
 
 import keras
 
+from keras_tapeops import validation
+from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.registration import serialize_all
 from keras_tapeops.terms.base import Term
 from keras_tapeops.transforms.base import GradientTransform
 
@@ -16,7 +23,7 @@ OPTION_NAMES = (
 BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
 
 
-class TapeOpsOptions:
+class TapeOpsOptions(ConfigRepr):
     """The keras_tapeops options of one `compile()` call, validated.
 
     Args:
@@ -30,7 +37,8 @@ class TapeOpsOptions:
             or `"per_micro_batch"` (one update per micro-batch).
 
     Returns:
-        An options object; raises ValueError/TypeError naming the argument.
+        An immutable options object (one may serve several models); raises
+        ValueError/TypeError naming the argument.
 
     Example:
     ```python
@@ -46,57 +54,62 @@ class TapeOpsOptions:
         accumulation_steps=1,
         batch_norm_updates="large_batch",
     ):
-        self.transforms = _validate_list(
+        self.gradient_transforms = validation.instances(
             gradient_transforms, GradientTransform, "gradient_transforms",
             "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
         )
-        self.terms = _validate_list(
+        self.loss_terms = validation.instances(
             loss_terms, Term, "loss_terms",
             "loss term (e.g. kt.LossTerm(fn) or kt.ActivationPenalty(...))",
         )
-        _check_term_names(self.terms)
-        self.micro_batches = validate_positive_int(micro_batches, "micro_batches")
-        self.accumulation_steps = validate_positive_int(
+        _check_term_names(self.loss_terms)
+        self.micro_batches = validation.positive_int(micro_batches, "micro_batches")
+        self.accumulation_steps = validation.positive_int(
             accumulation_steps, "accumulation_steps"
         )
-        self.batch_norm_updates = validate_choice(
+        self.batch_norm_updates = validation.choice(
             batch_norm_updates, "batch_norm_updates", BATCH_NORM_UPDATES
         )
-        self.term_trackers = {}
-        self.accumulator = None
-        self.terms_built = False
-        self.names_checked = False  # term names seen against built metrics
-        self.built = False
+
+    @property
+    def transforms(self):
+        """The gradient transforms (a tuple)."""
+        return self.gradient_transforms
+
+    @property
+    def terms(self):
+        """The loss terms (a tuple)."""
+        return self.loss_terms
 
     @property
     def is_stock(self):
         """True when no option changes the stock step."""
         return not (
-            self.transforms
-            or self.terms
+            self.gradient_transforms
+            or self.loss_terms
             or self.micro_batches > 1
             or self.accumulation_steps > 1
         )
 
-    def active_terms(self, training):
-        if training:
-            return self.terms
-        return [t for t in self.terms if t.in_validation]
+    @property
+    def accumulates(self):
+        """True when gradients are summed over micro-batches or batches."""
+        return self.micro_batches > 1 or self.accumulation_steps > 1
 
-    def create_trackers(self):
-        """Creates one `Mean` metric per term (call inside the strategy scope)."""
-        self.term_trackers = {
-            term.name: keras.metrics.Mean(name=term.name) for term in self.terms
-        }
+    def get_config(self, model=None):
+        """Returns the options as compile-config entries.
 
-    def get_config(self):
+        Args:
+            model: the model being saved; layer selectors and layer objects
+                are then written as their path in it.
+
+        Returns:
+            A JSON-friendly dict. Raises ValueError for a transform, term or
+            callable that could not be loaded back.
+        """
         return {
-            "gradient_transforms": [
-                keras.saving.serialize_keras_object(t) for t in self.transforms
-            ],
-            "loss_terms": [
-                keras.saving.serialize_keras_object(t) for t in self.terms
-            ],
+            "gradient_transforms": serialize_all(self.gradient_transforms, model),
+            "loss_terms": serialize_all(self.loss_terms, model),
             "micro_batches": self.micro_batches,
             "accumulation_steps": self.accumulation_steps,
             "batch_norm_updates": self.batch_norm_updates,
@@ -112,47 +125,6 @@ class TapeOpsOptions:
                     keras.saving.deserialize_keras_object(c) for c in kwargs[key]
                 ]
         return kwargs
-
-
-def validate_positive_int(value, name):
-    """Returns `value` if it is an int >= 1, else raises naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r} "
-            f"of type {type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer (>= 1). Received: {name}={value}"
-        )
-    return value
-
-
-def validate_choice(value, name, choices):
-    """Returns `value` if it is one of `choices` (strings), else raises naming `name`."""
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(
-            f"`{name}` must be one of {list(choices)}. Received: {name}={value!r}"
-        )
-    return value
-
-
-def _validate_list(values, kind, name, example):
-    if values is None:
-        return []
-    if isinstance(values, kind):
-        values = [values]
-    if not isinstance(values, (list, tuple)):
-        raise TypeError(
-            f"`{name}` must be a list of {example}. Received: {name}={values!r}"
-        )
-    for i, value in enumerate(values):
-        if not isinstance(value, kind):
-            raise TypeError(
-                f"`{name}` must be a list of {example}; item {i} is not. "
-                f"Received: {name}[{i}]={value!r}"
-            )
-    return list(values)
 
 
 def _check_term_names(terms):

@@ -10,6 +10,8 @@ import numbers
 
 import tensorflow as tf
 
+from keras_tapeops import validation
+
 _TINY = 1e-30
 
 
@@ -176,17 +178,8 @@ def _validate(critic, real, fake, alpha, target, training):
 
 
 def validate_target(target):
-    """Checks a penalty `target` (a non-negative real number); returns it as float."""
-    if isinstance(target, bool) or not isinstance(target, numbers.Real):
-        raise TypeError(
-            "`target` must be a non-negative number. "
-            f"Received: target={target!r}"
-        )
-    if not target >= 0:
-        raise ValueError(
-            f"`target` must be a non-negative number. Received: target={target}"
-        )
-    return float(target)
+    """Checks a penalty `target` (a non-negative finite number); returns it as float."""
+    return validation.non_negative_number(target, "target")
 
 
 def _describe(value):

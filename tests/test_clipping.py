@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
-from keras_tapeops.selectors import LayerByName
+from keras_tapeops.selectors import LayerPath
+from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import GradientTransform
 
 SEEDS = range(8)
@@ -126,29 +128,31 @@ def test_chain_equals_parts_applied_by_hand():
         expected = [e / max(np.linalg.norm(e), 1.0) for e in expected]
         total = np.sqrt(sum(np.sum(e * e) for e in expected))
         expected = [e * 0.6 / max(total, 0.6) for e in expected]
-        chained = model.transform_gradients(grads, fake_vars(grads))
+        # The compiled list, in order, on gradients of other variables
+        # (where=None needs no model state).
+        transforms = model.tapeops_options.gradient_transforms
+        chained = apply_in_order([(t, None) for t in transforms], grads, fake_vars(grads))
         assert_all_close(chained, expected, tol=1e-5)
 
 
 # ------------------------------------------------------------------ selection
 def test_only_selected_gradients_change_and_none_passes_through():
     grads = random_grads(2, scale=5.0) + [None]
-    transform = kt.ClipByGlobalNorm(0.1, where="ignored-when-built")
-    transform.selected = [True, False, True, False, True]
-    out = apply(transform, grads)
+    transform = kt.ClipByGlobalNorm(0.1, where="ignored-when-bound")
+    state = TransformState([True, False, True, False, True])
+    out = transform(grads, fake_vars(grads), state)
     assert out[4] is None
     assert_all_close([out[1], out[3]], [grads[1], grads[3]], tol=0)
     assert global_norm([out[0], out[2]]) == pytest.approx(0.1, rel=1e-5)
     for cls in (kt.ClipByValue, kt.ClipByNorm):
         t = cls(0.1)
-        t.selected = [False, True, False, True, True]
-        out = apply(t, grads)
+        out = t(grads, fake_vars(grads), TransformState([False, True, False, True, True]))
         assert_all_close([out[0], out[2]], [grads[0], grads[2]], tol=0)
         assert out[4] is None
 
 
-def test_unbuilt_transform_with_selector_explains():
-    with pytest.raises(ValueError, match="must be built"):
+def test_unbound_transform_with_selector_explains():
+    with pytest.raises(ValueError, match="needs the state of a model"):
         apply(kt.ClipByNorm(1.0, where="head*"), random_grads(0))
 
 
@@ -157,8 +161,9 @@ def test_build_resolves_where_on_a_model():
     h = keras.layers.Dense(2, name="body")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
     transform = kt.ClipByNorm(1.0, where="head*")
-    transform.build(model, model.trainable_variables)
-    assert transform.selected == [False, False, True, True]
+    state = transform.bind(model, model.trainable_variables)
+    assert state.selected == [False, False, True, True]
+    assert transform.where == "head*"  # the transform itself is unchanged
 
 
 # ------------------------------------------------------------- sparse grads
@@ -263,8 +268,8 @@ SERIALIZABLE_SELECTORS = [
     ("head*", "head*"),
     (["a", "*/bias"], ["a", "*/bias"]),
     (("a", "*/bias"), ["a", "*/bias"]),
-    ("layer", {"layer_name": "head"}),
-    (LayerByName("head"), {"layer_name": "head"}),
+    ("layer", {"layer_path": "head"}),
+    (LayerPath("head"), {"layer_path": "head"}),
     (kernels_only, {"callable": keras.saving.serialize_keras_object(kernels_only)}),
 ]
 
@@ -299,10 +304,9 @@ def test_restored_selectors_select_the_same_variables(cls):
         restored = keras.saving.deserialize_keras_object(
             keras.saving.serialize_keras_object(original)
         )
-        original.build(model, variables)
-        restored.build(model, variables)
-        assert restored.selected == original.selected
-        assert any(original.selected) and not all(original.selected)
+        selected = original.bind(model, variables).selected
+        assert restored.bind(model, variables).selected == selected
+        assert any(selected) and not all(selected)
 
 
 @pytest.mark.parametrize("cls", CLASSES)

@@ -161,35 +161,59 @@ def test_same_model_with_a_free_term_name_trains():
                for a, b in zip(before, model.get_weights())) > 1e-4
 
 
+def _two_output_model():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, name="backbone_dense")(inputs)
+    return kt.upgrade(keras.Model(inputs, {
+        "o1": keras.layers.Dense(1, name="o1")(hidden),
+        "o2": keras.layers.Dense(1, name="o2")(hidden),
+    }))
+
+
 @pytest.mark.parametrize("clash", ["compiled_metric", "per_output_loss"])
-def test_term_name_clashing_with_a_compiled_metric_fails_before_training(clash):
-    """Compiled metrics and per-output losses are only named once Keras builds
-    them (first traced step); the clash must still fail before any update."""
-    x, y = classification_data()
+def test_term_name_clashing_with_a_compile_argument_fails_at_compile(clash):
+    """Names visible in compile()'s arguments fail there, keeping the old compilation."""
     if clash == "compiled_metric":
         model = kt.upgrade(sequential_model())
         compile_kwargs = {"loss": CE, "metrics": ["accuracy"]}
-        name, targets = "accuracy", y
+        name = "accuracy"
     else:
-        inputs = keras.Input((8,))
-        hidden = keras.layers.Dense(8, name="backbone_dense")(inputs)
-        model = kt.upgrade(keras.Model(inputs, {
-            "o1": keras.layers.Dense(1, name="o1")(hidden),
-            "o2": keras.layers.Dense(1, name="o2")(hidden),
-        }))
+        model = _two_output_model()
         compile_kwargs = {"loss": {"o1": "mse", "o2": "mse"}}
         name = "o1_loss"
-        targets = {"o1": y[:, None].astype("float32"), "o2": y[:, None] * 0.5}
-    model.compile(optimizer="sgd", loss_terms=[_penalty(name)], **compile_kwargs)
+    model.compile(optimizer="adam", **compile_kwargs)
+    with pytest.raises(
+        ValueError,
+        match=rf"Loss term name {name!r} clashes with a metric or loss passed to "
+        rf"compile\(\) \(.*{name!r}.*\)\. Received: name={name!r}",
+    ):
+        model.compile(optimizer="sgd", loss_terms=[_penalty(name)], **compile_kwargs)
+    assert model.tapeops_options.loss_terms == ()
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+
+
+def test_term_name_clashing_with_a_name_keras_resolves_later_fails_in_the_first_step():
+    """A list loss names its per-output losses only when Keras builds it (first
+    traced step): the clash fails there, before any update, and compiling
+    again with a free name makes the model usable."""
+    x, y = classification_data()
+    model = _two_output_model()
+    targets = [y[:, None].astype("float32"), y[:, None] * 0.5]
+    model.compile(optimizer="sgd", loss=["mse", "mse"], loss_terms=[_penalty("o1_loss")])
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(
         ValueError,
-        match=rf"Loss term name {name!r} clashes with a metric of the model "
-        rf"\(.*{name!r}.*\)\. Received: name={name!r}",
+        match=r"Loss term name 'o1_loss' clashes with a metric of the model "
+        r"\(.*'o1_loss'.*\)\. Received: name='o1_loss'",
     ):
         model.fit(x, targets, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+    model.compile(optimizer="sgd", loss=["mse", "mse"], loss_terms=[_penalty("act")])
+    history = model.fit(x, targets, verbose=0).history
+    assert "act" in history and "o1_loss" in history
+    assert max(float(np.max(np.abs(a - b)))
+               for a, b in zip(before, model.get_weights())) > 1e-6
 
 
 def test_compiled_metric_and_per_output_loss_keep_their_names_next_to_terms():

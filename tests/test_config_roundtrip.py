@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
-from keras_tapeops.selectors import LayerByName
+from keras_tapeops.selectors import LayerPath
 
 PACKAGE = "keras_tapeops_config_tests"
 
@@ -169,7 +169,7 @@ def test_loss_term_fn_and_layer_object_come_back_by_name():
     assert again.fn is mean_abs_prediction
     model = linear_model()
     term = kt.ActivationPenalty(model.get_layer("hidden"), l2=1.0)
-    term.build(model)
+    assert term.bind(model) is model.get_layer("hidden")
     assert roundtrip(term).layer == "hidden"
 
 
@@ -206,8 +206,8 @@ def numpy_transform(cls, threshold, grads, mask):
 
 
 def apply(transform, model, variables, grads):
-    transform.build(model, variables)
-    out = transform([tf.constant(g) for g in grads], variables)
+    state = transform.bind(model, variables)
+    out = transform([tf.constant(g) for g in grads], variables, state)
     return [np.asarray(g) for g in out]
 
 
@@ -223,7 +223,7 @@ def test_transform_round_trip(cls, selector):
     transform = cls(1.5, where=where)
     again = roundtrip(transform)
     if selector == "layer":
-        assert again.where == LayerByName("hidden")
+        assert again.where == LayerPath("hidden")
     via_keras = keras.saving.deserialize_keras_object(
         keras.saving.serialize_keras_object(transform)
     )
@@ -327,9 +327,9 @@ class ScaleGradients(kt.GradientTransform):
         super().__init__(where=where)
         self.factor = factor
 
-    def transform(self, grads, variables):
+    def transform(self, grads, variables, state):
         return [g * self.factor if on and g is not None else g
-                for g, on in zip(grads, self.selection(len(grads)))]
+                for g, on in zip(grads, state.selected)]
 
     def get_config(self):
         return {"factor": self.factor, **super().get_config()}
@@ -379,7 +379,7 @@ def test_base_classes_are_abstract():
     with pytest.raises(NotImplementedError, match="Term must implement call"):
         kt.Term(name="t").call(None)
     with pytest.raises(NotImplementedError, match=r"GradientTransform must implement transform"):
-        kt.GradientTransform().transform([], [])
+        kt.GradientTransform().transform([], [], None)
 
 
 def test_behaviour_checks_catch_a_config_that_forgets_an_argument():

@@ -179,8 +179,8 @@ def max_difference(gan, weights):
 
 
 class HalveCriticGradients(kt.GradientTransform):
-    def transform(self, grads, variables):
-        return [g * 0.5 if on else g for g, on in zip(grads, self.selected)]
+    def transform(self, grads, variables, state):
+        return [g * 0.5 if on else g for g, on in zip(grads, state.selected)]
 
 
 # -------------------------------------------------------------------- tests

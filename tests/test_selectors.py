@@ -74,8 +74,8 @@ def test_callable():
 
 def test_layer_by_name_matches_the_layer():
     model = make_model()
-    assert selected_paths(selectors.LayerByName("backbone"), model) == ALL[:4]
-    assert selected_paths(selectors.LayerByName("b1"), model) == ALL[:2]
+    assert selected_paths(selectors.LayerPath("backbone"), model) == ALL[:4]
+    assert selected_paths(selectors.LayerPath("b1"), model) == ALL[:2]
 
 
 @pytest.mark.parametrize(
@@ -96,15 +96,16 @@ def test_bad_selector_types(where, error, message):
 
 def test_no_match_names_selector_and_lists_layers():
     model = make_model()
-    with pytest.raises(ValueError, match=r"where='haed'.*\['backbone', 'b2', 'b1', 'head'\]"):
+    with pytest.raises(ValueError, match=r"where='haed'.*Available layer paths: "
+                       r"\['backbone', 'backbone/b1', 'backbone/b2', 'head'\]"):
         selectors.select("haed", model, model.trainable_variables)
     with pytest.raises(ValueError, match=r"where=<Dense name='other'>"):
         selectors.select(
             keras.layers.Dense(1, name="other"), model, model.trainable_variables
         )
-    with pytest.raises(ValueError, match=r"LayerByName\('nope'\)"):
+    with pytest.raises(ValueError, match=r"LayerPath\('nope'\)"):
         selectors.select(
-            selectors.LayerByName("nope"), model, model.trainable_variables
+            selectors.LayerPath("nope"), model, model.trainable_variables
         )
     with pytest.raises(ValueError, match="selects no trainable variable"):
         selectors.select(lambda v: False, model, model.trainable_variables)
@@ -113,17 +114,24 @@ def test_no_match_names_selector_and_lists_layers():
 @pytest.mark.parametrize("where", [None, "head*", ["a*", "*/bias"]])
 def test_globs_serialize_as_they_are(where):
     config = selectors.serialize_selector(where)
-    assert config == where
-    assert selectors.deserialize_selector(config) == where
-
-
-def test_layer_serializes_by_name():
-    model = make_model()
-    config = selectors.serialize_selector(model.get_layer("head"))
-    assert config == {"layer_name": "head"}
+    expected = list(where) if isinstance(where, (list, tuple)) else where
+    assert config == expected
     restored = selectors.deserialize_selector(config)
-    assert restored == selectors.LayerByName("head")
+    assert (list(restored) if isinstance(restored, tuple) else restored) == expected
+
+
+def test_layer_serializes_by_its_path_in_the_model_being_saved():
+    model = make_model()
+    b1 = model.get_layer("backbone").get_layer("b1")
+    assert selectors.serialize_selector(b1) == {"layer_path": "b1"}  # no model: name
+    with selectors.paths_relative_to(model):
+        config = selectors.serialize_selector(b1)
+    assert config == {"layer_path": "backbone/b1"}
+    restored = selectors.deserialize_selector(config)
+    assert restored == selectors.LayerPath("backbone/b1")
     assert selectors.serialize_selector(restored) == config
+    # Saves made before paths were stored still load, by name.
+    assert selectors.deserialize_selector({"layer_name": "b1"}) == selectors.LayerPath("b1")
 
 
 def test_unregistered_callable_cannot_be_saved():

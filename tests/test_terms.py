@@ -6,8 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
-from keras_tapeops.terms.activation import find_layer
-from keras_tapeops.terms.activation import layer_paths
+from keras_tapeops.paths import LayerTree
 
 
 @keras.saving.register_keras_serializable(package="keras_tapeops_tests")
@@ -77,11 +76,13 @@ def test_weight_schedule_and_callable():
         ({"l2": True}, r"Received: l2=True"),
         ({"l1": float("nan")}, r"Received: l1=nan"),
         ({"l1": float("inf")}, r"Received: l1=inf"),
+        ({"l2": 1e39}, r"Received: l2=1e\+39"),  # finite in float64, inf in float32
         ({}, r"needs a positive `l1` or `l2`\. Received: l1=0\.0, l2=0\.0"),
     ],
 )
 def test_activation_penalty_bad_coefficients(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    # A wrong type is a TypeError, a wrong value a ValueError (Keras style).
+    with pytest.raises((ValueError, TypeError), match=match):
         kt.ActivationPenalty("dense", **kwargs)
 
 
@@ -148,24 +149,25 @@ def nested_model():
 
 def test_find_layer_by_name_and_path():
     model = nested_model()
-    assert layer_paths(model) == [
+    tree = LayerTree(model)
+    assert tree.paths() == [
         "backbone", "backbone/hidden", "backbone/block", "backbone/block/inner",
         "hidden_head",
     ]
     hidden = model.get_layer("backbone").get_layer("hidden")
-    assert find_layer(model, "backbone/hidden") is hidden
-    assert find_layer(model, "hidden") is hidden
-    assert find_layer(model, "backbone/block/inner").name == "inner"
+    assert tree.find("backbone/hidden") is hidden
+    assert tree.find("hidden") is hidden
+    assert tree.find("backbone/block/inner").name == "inner"
 
 
 def test_find_layer_unknown_lists_available_paths():
     model = nested_model()
     with pytest.raises(
         ValueError,
-        match=r"no layer 'backbone/nope'.*Available layers: \['backbone', "
+        match=r"No layer 'backbone/nope'.*Available layer paths: \['backbone', "
         r"'backbone/hidden', .*'hidden_head'\]\. Received: layer='backbone/nope'",
     ):
-        find_layer(model, "backbone/nope")
+        kt.ActivationPenalty("backbone/nope", l2=1.0).bind(model)
 
 
 def test_find_layer_ambiguous_name_asks_for_a_path():
@@ -174,20 +176,22 @@ def test_find_layer_ambiguous_name_asks_for_a_path():
     inputs = keras.Input((3,))
     outputs = keras.layers.Dense(2, name="d")(shared_name(inputs))
     model = keras.Model(inputs, outputs)
-    with pytest.raises(ValueError, match=r"several layers are named 'd' \(\['a/d', 'd'\]\)"):
-        find_layer(model, "d")
-    assert find_layer(model, "a/d") is shared_name.get_layer("d")
+    with pytest.raises(ValueError, match=r"Several layers .* are named 'd' \(\['a/d', 'd'\]\)"):
+        LayerTree(model).find("d")
+    assert LayerTree(model).find("a/d") is shared_name.get_layer("d")
 
 
 def test_layer_object_must_belong_to_the_model():
     model = nested_model()
     term = kt.ActivationPenalty(keras.layers.Dense(1, name="stray"), l2=1.0)
     with pytest.raises(ValueError, match=r"'stray' is not part of the model"):
-        term.build(model)
+        term.bind(model)
     inner = model.get_layer("backbone").get_layer("block").inner
     term = kt.ActivationPenalty(inner, l2=1.0, name="inner_l2")
-    term.build(model)
-    assert term.get_config()["layer"] == "backbone/block/inner"
+    assert term.bind(model) is inner
+    assert term.get_config()["layer"] == "inner"  # outside a model: its name
+    with kt.selectors.paths_relative_to(model):
+        assert term.get_config()["layer"] == "backbone/block/inner"
 
 
 # ------------------------------------------------------------------- values

@@ -85,17 +85,23 @@ class CrossBatchAccumulator:
         full = self.batches.read_value() > self.steps - 0.5
         self._apply_if(model, full, present)
 
-    def _apply_if(self, model, condition, present):
+    def _apply_if(self, model, full, present):
+        """Applies the window when `full`; a full window of zero samples is only reset."""
         if not tf.distribute.has_strategy():
+            total = self.samples.read_value()
             tf.cond(
-                condition,
-                lambda: self._apply(model, self.samples.read_value(), present),
+                full,
+                lambda: tf.cond(
+                    total > 0,
+                    lambda: self._apply(model, total, present),
+                    self._reset_only,
+                ),
                 lambda: tf.constant(False),
             )
             return
 
-        def cross_replica(strategy, condition):
-            condition = strategy.experimental_local_results(condition)[0]
+        def cross_replica(strategy, full):
+            full = strategy.experimental_local_results(full)[0]
             # Reading an ON_READ/SUM variable here sums it over replicas.
             total = self.samples.read_value()
 
@@ -103,11 +109,17 @@ class CrossBatchAccumulator:
                 strategy.run(self._apply, args=(model, total, present))
                 return tf.constant(True)
 
-            return tf.cond(condition, apply, lambda: tf.constant(False))
+            def reset():
+                strategy.run(self._reset_only)
+                return tf.constant(False)
 
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(condition,)
-        )
+            return tf.cond(
+                full,
+                lambda: tf.cond(total > 0, apply, reset),
+                lambda: tf.constant(False),
+            )
+
+        tf.distribute.get_replica_context().merge_call(cross_replica, args=(full,))
 
     def _apply(self, model, total_samples, present):
         """In replica context: applies the window's mean gradient and resets."""
@@ -123,6 +135,11 @@ class CrossBatchAccumulator:
         model.apply_optimizer_step(grads, self.variables)
         self._reset()
         return tf.constant(True)
+
+    def _reset_only(self):
+        """Discards a window of zero samples: no step (stock Keras changes nothing)."""
+        self._reset()
+        return tf.constant(False)
 
     def _reset(self):
         for total in self.sums:
@@ -147,6 +164,9 @@ class CrossBatchAccumulator:
             True if a step was applied.
         """
         if self.pending_batches() == 0:
+            return False
+        if float(self.samples.numpy()) == 0:  # only empty batches: no step
+            self._reset()
             return False
         strategy = model.distribute_strategy
         if self._flush_function is None:

@@ -35,9 +35,8 @@ class AccumulationFlush(keras.callbacks.Callback):
 
     def _accumulator(self):
         model = self.model
-        model.build_tapeops()
-        options = model.tapeops_options
-        return None if options is None else options.accumulator
+        state = model.build_tapeops()
+        return None if state is None else state.accumulator
 
     def _flush(self):
         accumulator = self._accumulator()

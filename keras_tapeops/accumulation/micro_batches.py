@@ -7,12 +7,20 @@ weights included, regularization losses counted once). The logged loss, the
 loss terms and the metrics equal the whole batch's: each micro-batch logs its
 loss with weight `n_micro`, and the metrics see the concatenated predictions.
 
-The loop is a `tf.while_loop` with `parallel_iterations=1`, and each loop
-starts only once the gradients before it are summed: one micro-batch's
-activations are alive at a time. Gradients stay per replica (no all-reduce
-inside the loop); `apply_optimizer_step` all-reduces the sum once.
+The forward/backward pass is traced once, as a concrete function whose
+outputs say which gradients exist and what the predictions look like; one
+`tf.while_loop` (`parallel_iterations=1`) calls it on each micro-batch in
+turn. Under XLA, whose loops need one shape per loop, the `q`- and
+`(q + 1)`-sized micro-batches run in two loops calling the same function.
+Each loop starts only once the gradients before it are summed: one
+micro-batch's activations are alive at a time. Gradients stay per replica
+(no all-reduce inside the loop); `apply_optimizer_step` all-reduces the sum
+once.
 """
 
+import contextlib
+
+import keras
 import tensorflow as tf
 
 from keras_tapeops.accumulation import splitting
@@ -41,21 +49,14 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
     ```
     """
     data = (x, y, sample_weight)
+    if not model.built:
+        _build_symbolically(model, x)
     n = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-    q, r, n_small = splitting.plan(n, k)
-    small, large = splitting.stack_groups(
-        data, q, r, n_small, pad_empty=bool(model.jit_compile)
-    )
     n_float = tf.cast(n, tf.float32)
-
-    options = model.tapeops_options
-    stats = None
-    if options is not None and options.batch_norm_updates == "large_batch":
-        stats = LargeBatchStatistics(model)
-        if not stats.layers:
-            stats = None
+    stats = LargeBatchStatistics(model)
+    if model.tapeops_options.batch_norm_updates != "large_batch" or not stats.layers:
+        stats = None
     bn_state = stats.start() if stats is not None else []
-    momentum = stats.momentum_zero() if stats is not None else _no_context()
 
     def one_pass(micro, size, bn_state):
         grads, y_pred = model.batch_gradients(
@@ -65,65 +66,81 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
             bn_state = stats.add(bn_state, size)
         return grads, y_pred, bn_state
 
+    groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
+    momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
     with momentum:
-        # The first micro-batch runs outside the loops: it fixes which
-        # gradients are None and the predictions' structure and dtypes.
-        grads, y_pred, bn_state = one_pass(
-            splitting.take(data, small, 0), q, bn_state
+        traced = tf.function(one_pass).get_concrete_function(
+            _spec(groups[0][2](0), batch=True), tf.TensorSpec([], tf.int32),
+            _spec(bn_state, batch=False),
         )
-        present = [g is not None for g in grads]
-        sums = [_dense(g) for g in grads if g is not None]
-        flat_pred = tf.nest.flatten(y_pred)
+    grads_spec, pred_spec, _ = traced.structured_outputs
+    present = [g is not None for g in grads_spec]
+    variables = model.trainable_variables
+    sums = [
+        tf.zeros(v.shape, _dtype(g)) for v, g, on in zip(variables, grads_spec, present) if on
+    ]
+    flat_pred_spec = tf.nest.flatten(pred_spec)
 
-        def run_group(stacked, count, size, start, sums, bn_state, first):
-            arrays = [
-                tf.TensorArray(
-                    t.dtype, size=count, element_shape=[None] + t.shape[1:].as_list()
-                )
-                for t in flat_pred
-            ]
-            if first is not None:
-                arrays = [a.write(0, t) for a, t in zip(arrays, first)]
-            start = _after(start, sums + tf.nest.flatten(bn_state))
-
-            def body(i, sums, arrays, bn_state):
-                g, pred, bn_state = one_pass(
-                    splitting.take(data, stacked, i), size, bn_state
-                )
-                g = [_dense(t) for t, on in zip(g, present) if on]
-                sums = [s + t for s, t in zip(sums, g)]
-                arrays = [
-                    a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))
-                ]
-                return i + 1, sums, arrays, bn_state
-
-            _, sums, arrays, bn_state = tf.while_loop(
-                lambda i, *_: i < count,
-                body,
-                (start, sums, arrays, bn_state),
-                parallel_iterations=1,
+    outputs = []
+    for count, size_of, take in groups:
+        arrays = [
+            tf.TensorArray(
+                t.dtype, size=count, element_shape=t.shape, infer_shape=False
             )
-            outputs = [
-                splitting.unstack_group(a.stack(), t) for a, t in zip(arrays, flat_pred)
-            ]
-            return sums, outputs, bn_state
+            for t in flat_pred_spec
+        ]
+        start = _after(tf.constant(0), sums + tf.nest.flatten(bn_state))
 
-        sums, preds_small, bn_state = run_group(
-            small, n_small, q, tf.constant(1), sums, bn_state, flat_pred
+        def body(i, sums, arrays, bn_state, size_of=size_of, take=take):
+            g, pred, bn_state = traced(take(i), size_of(i), bn_state)
+            g = [_dense(t) for t, on in zip(g, present) if on]
+            sums = [s + t for s, t in zip(sums, g)]
+            arrays = [a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))]
+            return i + 1, sums, arrays, bn_state
+
+        _, sums, arrays, bn_state = tf.while_loop(
+            lambda i, *_: i < count, body, (start, sums, arrays, bn_state),
+            parallel_iterations=1,
         )
-        sums, preds_large, bn_state = run_group(
-            large, r, q + 1, tf.constant(0), sums, bn_state, None
-        )
+        outputs.append([a.concat() for a in arrays])
     if stats is not None:
         stats.finish(bn_state, n)
 
     y_pred = tf.nest.pack_sequence_as(
-        y_pred,
-        [tf.concat([a, b], axis=0) for a, b in zip(preds_small, preds_large)],
+        pred_spec, [tf.concat(parts, axis=0) for parts in zip(*outputs)]
     )
     it = iter(sums)
     grads = [next(it) if on else None for on in present]
     return grads, y_pred
+
+
+def _build_symbolically(model, x):
+    """Creates an unbuilt model's variables from `x`'s shapes, before the loop.
+
+    The traced pass must not create variables; calling the model on
+    `keras.KerasTensor`s builds it the way Keras's own symbolic build does.
+    """
+    model(tf.nest.map_structure(
+        lambda t: keras.KerasTensor(t.shape, t.dtype.name), x
+    ))
+
+
+def _spec(structure, batch):
+    """TensorSpecs of `structure` (None leaves kept); `batch`: first axis unknown."""
+    def spec(t):
+        if t is None:
+            return None
+        shape = t.shape.as_list()
+        if batch and shape:
+            shape[0] = None
+        return tf.TensorSpec(shape, t.dtype)
+
+    return [spec(t) for t in structure] if isinstance(structure, list) and not batch \
+        else tf.nest.map_structure(spec, structure)
+
+
+def _dtype(grad):
+    return grad.values.dtype if isinstance(grad, tf.IndexedSlices) else grad.dtype
 
 
 def _after(start, tensors):
@@ -144,11 +161,3 @@ def _dense(grad):
     if isinstance(grad, tf.IndexedSlices):
         return tf.convert_to_tensor(grad)
     return grad
-
-
-class _no_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

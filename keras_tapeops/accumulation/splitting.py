@@ -46,6 +46,47 @@ def plan(n, k):
     return n // m, n % m, m - n % m
 
 
+def groups(structure, n, k, static_shapes=False):
+    """How a loop reads the micro-batches of `structure`: `[(count, size_of, take)]`.
+
+    Without static shapes there is one group: micro-batch `i` is a
+    contiguous slice of dynamic size. XLA (`jit_compile=True`) needs every
+    loop iteration to see the same shape, so then there are two groups, the
+    `q`-sized and the `(q + 1)`-sized micro-batches, each a reshape.
+
+    Args:
+        structure: nested structure of tensors (None leaves kept as None).
+        n: scalar int32 tensor, the batch size.
+        k: python int, requested micro-batches.
+        static_shapes: True under XLA.
+
+    Returns:
+        A list of `(count, size_of, take)`: the group's number of
+        micro-batches, `size_of(i)` (its size) and `take(i)` (micro-batch
+        `i` of the group, as `structure`).
+    """
+    q, r, n_small = plan(n, k)
+    if static_shapes:
+        small, large = stack_groups(structure, q, r, n_small, pad_empty=True)
+        return [
+            (n_small, lambda i: q, lambda i: take(structure, small, i)),
+            (r, lambda i: q + 1, lambda i: take(structure, large, i)),
+        ]
+    flat = [None if t is None else tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
+
+    def size_of(i):
+        return q + tf.cast(i >= n_small, q.dtype)
+
+    def take_slice(i):
+        start = i * q + tf.maximum(i - n_small, 0)
+        end = start + size_of(i)
+        return tf.nest.pack_sequence_as(
+            structure, [None if t is None else t[start:end] for t in flat]
+        )
+
+    return [(n_small + r, size_of, take_slice)]
+
+
 def stack_groups(structure, q, r, n_small, pad_empty=False):
     """Splits every tensor of `structure` into its two groups of micro-batches.
 
@@ -79,24 +120,6 @@ def take(structure, stacked, i):
     """Micro-batch `i` of a group made by `stack_groups`, as `structure`."""
     flat = [None if t is None else t[i] for t in stacked]
     return tf.nest.pack_sequence_as(structure, flat)
-
-
-def unstack_group(stacked_outputs, like):
-    """`[count, size, ...]` -> `[count * size, ...]` (inverse of the reshape).
-
-    Args:
-        stacked_outputs: the stacked per-micro-batch outputs of one group
-            (possibly empty, with an unknown element shape).
-        like: one micro-batch's output, for the trailing dimensions.
-
-    Returns:
-        The group's outputs, one row per sample.
-    """
-    merged = tf.reshape(
-        stacked_outputs, tf.concat([[-1], tf.shape(like)[1:]], axis=0)
-    )
-    merged.set_shape([None] + like.shape[1:].as_list())
-    return merged
 
 
 def _reshape(t, count, size, rest, static_rest, pad_empty):

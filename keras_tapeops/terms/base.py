@@ -5,8 +5,15 @@ task loss. The step adds `weight * value` to the loss and logs `weight * value`
 under the term's `name` (epoch sample-weighted mean, like `loss`).
 """
 
+import numbers
+
 import keras
+import numpy as np
 import tensorflow as tf
+
+from keras_tapeops import selectors
+from keras_tapeops import validation
+from keras_tapeops.config_repr import ConfigRepr
 
 
 class TermContext:
@@ -17,6 +24,9 @@ class TermContext:
         x, y, sample_weight: the (micro-)batch, unpacked.
         y_pred: the model's output from the step's single forward pass.
         training: True in `train_step`, False in `test_step`.
+        state: what the model resolved for the term being computed (the
+            value its `bind(model)` returned); set by the step before each
+            term's `call`.
     """
 
     def __init__(
@@ -32,6 +42,7 @@ class TermContext:
         self._activations = activations
         self._input_tape = input_tape
         self._watched_inputs = watched_inputs
+        self.state = None
 
     def activations(self, layer):
         """Returns the list of output tensors `layer` produced in this forward pass.
@@ -68,11 +79,14 @@ class TermContext:
         return tf.nest.pack_sequence_as(self.x, merged)
 
 
-class Term:
+class Term(ConfigRepr):
     """Base class of everything passed to `compile(loss_terms=[...])`.
 
     Subclasses implement `call(context) -> scalar` (the unweighted value) and
-    extend `get_config()`.
+    extend `get_config()`. A term is immutable configuration; what it
+    resolves in one model (a layer, say) is returned by `bind(model)`, kept
+    by that model, and handed back as `context.state`. One term object can
+    be compiled into several models.
 
     Args:
         weight: a number, a `keras.optimizers.schedules.LearningRateSchedule`,
@@ -99,19 +113,36 @@ class Term:
             raise ValueError(
                 f"`name` must be a non-empty string. Received: name={name!r}"
             )
-        if not isinstance(in_validation, bool):
-            raise TypeError(
-                "`in_validation` must be a bool. "
-                f"Received: in_validation={in_validation!r}"
-            )
         self.name = name
-        self.in_validation = in_validation
+        self.in_validation = validation.boolean(in_validation, "in_validation")
 
-    def build(self, model):
-        """Resolves what the term needs from `model` (raise ValueError if absent)."""
+    def bind(self, model, tree=None):
+        """Resolves what the term needs from `model`; returns this model's state.
 
-    def layers_to_capture(self):
-        """Layers whose outputs the forward pass must record for this term."""
+        Raises ValueError (before any weight changes) if the model lacks
+        something the term needs. The base term needs nothing: it checks that
+        a schedule or callable weight gives a finite number at step 0.
+
+        Args:
+            model: the model the term is compiled into.
+            tree: optional `keras_tapeops.paths.LayerTree(model)` to reuse.
+
+        Returns:
+            The state handed back as `context.state` (None here).
+        """
+        if callable(self.weight):
+            value = self.weight(0)
+            try:
+                validation.finite_number(float(value), "weight(0)")
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"Loss term {self.name!r}: its weight schedule must give a "
+                    f"finite number. Received: weight(0)={value!r}"
+                ) from error
+        return None
+
+    def layers_to_capture(self, state):
+        """Layers whose outputs the forward pass must record, given `state`."""
         return []
 
     def call(self, context):
@@ -142,21 +173,22 @@ class Term:
 
 
 def validate_weight(weight):
-    """Checks a term weight: a number, a schedule or a callable."""
-    if isinstance(weight, bool) or not (
-        isinstance(weight, (int, float)) or callable(weight)
-    ):
+    """Checks a term weight: a finite number (NumPy too), a schedule or a callable."""
+    if callable(weight) and not isinstance(weight, (numbers.Number, np.generic)):
+        return weight
+    if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real):
         raise TypeError(
             "`weight` must be a number, a LearningRateSchedule or a callable "
             f"step -> number. Received: weight={weight!r}"
         )
-    return weight
+    return validation.finite_number(weight, "weight")
 
 
 def serialize_weight(weight):
+    """A number as is; a schedule or callable through Keras (must load back)."""
     if isinstance(weight, (int, float)):
         return weight
-    return keras.saving.serialize_keras_object(weight)
+    return selectors.serialize_callable(weight, "weight")
 
 
 def deserialize_weight(config):

@@ -1,20 +1,52 @@
-"""The `GradientTransform` protocol.
+"""The `GradientTransform` protocol: immutable configuration plus per-model state.
 
-A transform is built once on the model and its trainable variables, then maps
-a list of gradients (one per variable, `None` allowed, `tf.IndexedSlices`
-allowed) to a new list of the same length. Transforms always receive true
-gradients: unscaled under mixed precision and aggregated over replicas under
-`tf.distribute`.
+A transform object is configuration: its arguments are validated once and
+never change, so one object can be compiled into several models. What a
+model resolves from it lives with that model:
+
+- `bind(model, variables)` resolves the transform against one model's
+  trainable variables and returns a `TransformState` (at least `selected`,
+  a list of bools aligned with `variables`). It raises for a selector that
+  names nothing in the model. The step keeps the state; the transform keeps
+  nothing.
+- `transform(grads, variables, state)` maps a list of gradients (one per
+  variable, `None` and `tf.IndexedSlices` allowed) to a new list of the same
+  length. Gradients are always true gradients: unscaled under mixed
+  precision and summed over replicas under `tf.distribute`.
 """
 
+from keras_tapeops import selectors
+from keras_tapeops.config_repr import ConfigRepr
 
-class GradientTransform:
+
+class TransformState:
+    """What one model resolved for one transform.
+
+    Attributes:
+        selected: list of bools aligned with the variables the transform
+            was bound to: which ones it acts on.
+
+    Subclasses of `GradientTransform` may return a subclass with more fields.
+
+    Example:
+    ```python
+    state = kt.ClipByNorm(1.0, where="head*").bind(model, model.trainable_variables)
+    state.selected  # [False, False, True, True]
+    ```
+    """
+
+    def __init__(self, selected):
+        self.selected = list(selected)
+
+    def __repr__(self):
+        return f"TransformState(selected={self.selected})"
+
+
+class GradientTransform(ConfigRepr):
     """Base class for gradient transforms passed to `compile(gradient_transforms=)`.
 
-    Subclasses implement `transform(grads, variables)` and `get_config()`.
-    `build(model, variables)` is called once before the first step; the base
-    implementation resolves `where=` into `self.selected`, a list of bools
-    aligned with `variables`.
+    Subclasses implement `transform(grads, variables, state)` and extend
+    `get_config()`; `bind` may be extended to resolve more per-model state.
 
     Args:
         where: selector of the variables this transform acts on (see
@@ -27,86 +59,72 @@ class GradientTransform:
             super().__init__(where=where)
             self.factor = factor
 
-        def transform(self, grads, variables):
+        def transform(self, grads, variables, state):
             return [g * self.factor if on and g is not None else g
-                    for g, on in zip(grads, self.selected)]
+                    for g, on in zip(grads, state.selected)]
+
+        def get_config(self):
+            return {"factor": self.factor, **super().get_config()}
     ```
     """
 
     def __init__(self, where=None):
-        from keras_tapeops import selectors
-
         self.where = selectors.validate_selector(where)
-        self.selected = None
 
-    def build(self, model, variables):
-        """Resolves `where=` against `model` and the trainable `variables`.
+    def bind(self, model, variables, tree=None):
+        """Resolves `where=` against `model` and its trainable `variables`.
 
         Args:
             model: the Keras model being trained.
             variables: the list of trainable variables, in gradient order.
+            tree: optional `keras_tapeops.paths.LayerTree(model)` to reuse.
 
         Returns:
-            None. Sets `self.selected` (list of bools).
+            A `TransformState` for this model. `self` is not changed.
         """
-        from keras_tapeops import selectors
+        return TransformState(selectors.select(self.where, model, variables, tree))
 
-        self.selected = selectors.select(self.where, model, variables)
-
-    def transform(self, grads, variables):
+    def transform(self, grads, variables, state):
         """Returns the transformed list of gradients (same length as `grads`)."""
         raise NotImplementedError(
-            f"{type(self).__name__} must implement transform(grads, variables)."
+            f"{type(self).__name__} must implement transform(grads, variables, state)."
         )
 
-    def __call__(self, grads, variables):
-        return self.transform(grads, variables)
+    def __call__(self, grads, variables, state=None):
+        """Applies the transform. Without `state`, only `where=None` works (all selected)."""
+        if state is None:
+            if self.where is not None:
+                raise ValueError(
+                    f"{type(self).__name__} with where={selectors.describe(self.where)} "
+                    "needs the state of a model: call "
+                    "transform(grads, variables, transform.bind(model, variables))."
+                )
+            state = TransformState([True] * len(grads))
+        if len(state.selected) != len(grads):
+            raise ValueError(
+                f"{type(self).__name__} was bound to {len(state.selected)} "
+                f"variables but received {len(grads)} gradients."
+            )
+        return self.transform(grads, variables, state)
 
     def get_config(self):
         """Returns the constructor arguments; `where` must be serializable."""
-        from keras_tapeops import selectors
-
         return {"where": selectors.serialize_selector(self.where)}
 
     @classmethod
     def from_config(cls, config):
         """Rebuilds the transform from `get_config()` output."""
-        from keras_tapeops import selectors
-
         config = dict(config)
         if "where" in config:
             config["where"] = selectors.deserialize_selector(config["where"])
         return cls(**config)
 
-    def selection(self, n):
-        """Returns `self.selected`, or all True when `where=None` and not built.
 
-        Args:
-            n: the number of gradients.
-
-        Returns:
-            A list of `n` bools.
-        """
-        if self.selected is not None:
-            if len(self.selected) != n:
-                raise ValueError(
-                    f"{type(self).__name__} was built on {len(self.selected)} "
-                    f"variables but received {n} gradients."
-                )
-            return self.selected
-        if self.where is None:
-            return [True] * n
-        raise ValueError(
-            f"{type(self).__name__} with where={self.where!r} must be built "
-            "on a model before use: call transform.build(model, variables)."
-        )
-
-
-def apply_in_order(transforms, grads, variables):
-    """Applies `transforms` to `grads` one after another, in list order.
+def apply_in_order(bound, grads, variables):
+    """Applies bound transforms to `grads` one after another, in list order.
 
     Args:
-        transforms: a list of `GradientTransform`s (built on `variables`).
+        bound: a list of `(transform, state)` pairs (states from `bind`).
         grads: list of gradients, one per variable (None allowed).
         variables: the matching variables.
 
@@ -115,10 +133,12 @@ def apply_in_order(transforms, grads, variables):
 
     Example:
     ```python
-    grads = apply_in_order([kt.ClipByNorm(1.0), kt.ClipByValue(0.5)], grads, variables)
+    clips = [kt.ClipByNorm(1.0), kt.ClipByValue(0.5, where="head")]
+    bound = [(t, t.bind(model, variables)) for t in clips]
+    grads = apply_in_order(bound, grads, variables)
     ```
     """
     grads = list(grads)
-    for transform in transforms:
-        grads = list(transform(grads, variables))
+    for transform, state in bound:
+        grads = list(transform(grads, variables, state))
     return grads

@@ -13,45 +13,12 @@ scales the values (scaling is linear, so repeats are fine), and value
 clipping spreads each clipped row evenly over its repeats.
 """
 
-import numbers
-
 import tensorflow as tf
+
+from keras_tapeops import validation
 
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
-
-
-def validate_threshold(value, name):
-    """Returns `value` as a float if it is a finite number > 0.
-
-    Args:
-        value: the threshold to check.
-        name: the argument name used in error messages.
-
-    Returns:
-        `float(value)`.
-
-    Raises:
-        TypeError: for a bool or a non-number. ValueError: for <= 0 or inf/nan.
-        Both messages show `value` as passed (its repr), not converted.
-
-    Example:
-    ```python
-    validate_threshold(1.0, "clip_norm")
-    ```
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"`{name}` must be a positive number. "
-            f"Received: {name}={value!r} of type {type(value).__name__}"
-        )
-    converted = float(value)
-    if not converted > 0 or converted == float("inf"):
-        # Show what the user passed (`0`, not the converted `0.0`).
-        raise ValueError(
-            f"`{name}` must be a positive finite number. Received: {name}={value!r}"
-        )
-    return converted
 
 
 @register
@@ -74,10 +41,10 @@ class ClipByValue(GradientTransform):
 
     def __init__(self, clip_value, where=None):
         super().__init__(where=where)
-        self.clip_value = validate_threshold(clip_value, "clip_value")
+        self.clip_value = validation.positive_number(clip_value, "clip_value")
 
-    def transform(self, grads, variables):
-        selected = self.selection(len(grads))
+    def transform(self, grads, variables, state):
+        selected = state.selected
         return [
             clip_by_value(g, self.clip_value, v) if on and g is not None else g
             for g, v, on in zip(grads, variables, selected)
@@ -110,10 +77,10 @@ class ClipByNorm(GradientTransform):
 
     def __init__(self, clip_norm, where=None):
         super().__init__(where=where)
-        self.clip_norm = validate_threshold(clip_norm, "clip_norm")
+        self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
-    def transform(self, grads, variables):
-        selected = self.selection(len(grads))
+    def transform(self, grads, variables, state):
+        selected = state.selected
         out = []
         for g, v, on in zip(grads, variables, selected):
             if on and g is not None:
@@ -150,10 +117,10 @@ class ClipByGlobalNorm(GradientTransform):
 
     def __init__(self, clip_norm, where=None):
         super().__init__(where=where)
-        self.clip_norm = validate_threshold(clip_norm, "clip_norm")
+        self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
-    def transform(self, grads, variables):
-        selected = self.selection(len(grads))
+    def transform(self, grads, variables, state):
+        selected = state.selected
         group = [
             squared_norm(g, v)
             for g, v, on in zip(grads, variables, selected)
