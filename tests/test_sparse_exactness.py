@@ -204,6 +204,14 @@ def test_stock_agrees_where_the_update_densifies_first(setup, optimizer_name, mo
     assert_close(ours(setup, optimizer_name, mode), stock(setup, optimizer_name))
 
 
+@pytest.mark.parametrize("optimizer_name", ["adam", "sgd"])
+def test_without_accumulation_the_sparse_step_is_kept(setup, optimizer_name):
+    """Parity: with no accumulation option an upgraded model is stock, sparse step included."""
+    tokens, y, weights = setup
+    got = fit_weights(weights, tokens, y, optimizer_named(optimizer_name), LARGE)
+    assert_close(got, stock(setup, optimizer_name))
+
+
 def test_stock_adam_adds_the_squared_rows_to_the_second_moment():
     """The mechanism, on one Adam step: a row given twice in a slice adds
     (1 - beta_2) * (g1^2 + g2^2) to `v`; dense, it adds (1 - beta_2) * (g1 + g2)^2."""
