@@ -27,6 +27,8 @@ from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
+from keras_tapeops.transforms.finite import SkipNonFinite  # noqa: E402
+from keras_tapeops.transforms.observe import LogGradientNorm  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
@@ -44,6 +46,8 @@ __all__ = [
     "ClipByNorm",
     "ClipByValue",
     "GradientTransform",
+    "LogGradientNorm",
+    "SkipNonFinite",
     # Loss terms (compile(loss_terms=[...])).
     "ActivationPenalty",
     "GradientPenalty",

@@ -152,3 +152,21 @@ def in_symbolic_build():
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+def set_owned_variables(model, name, variables):
+    """Makes `variables` the model's own non-trainable variables under `name`.
+
+    Assigning a list of variables to a model attribute is how Keras tracks
+    them (they are saved with the model and by `save_weights`), but deleting
+    or replacing the attribute does not untrack the old ones: that needs the
+    private `Layer._untrack_variable`. Used for the variables of stateful
+    gradient transforms, which change when the model is compiled again.
+    """
+    old = model.__dict__.get(name)
+    if old is not None:
+        for variable in old:
+            model._untrack_variable(variable)
+        object.__delattr__(model, name)
+    if variables:
+        setattr(model, name, list(variables))

@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_tapeops import _keras_private as private
 from keras_tapeops import accumulation
 from keras_tapeops import capture
+from keras_tapeops import step_gate
 from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
@@ -95,9 +96,18 @@ class TapeOpsMixin:
         super().compile(*args, **kwargs)
         state.create_trackers()
         # Plain object attributes: Keras's tracker ignores them, so the term
-        # metrics are listed once, through the `metrics` property below.
+        # and transform metrics are listed once, through `metrics` below.
         self._tapeops = options
         self._tapeops_state = state
+        self._own_transform_variables()
+
+    def _own_transform_variables(self):
+        """Tracks the bound transforms' variables as the model's own (saved)."""
+        state = self.tapeops_state
+        wanted = state.transform_variables if state is not None else []
+        current = self.__dict__.get("_tapeops_transform_variables") or []
+        if [id(v) for v in current] != [id(v) for v in wanted]:
+            private.set_owned_variables(self, "_tapeops_transform_variables", wanted)
 
     def get_compile_config(self):
         config = super().get_compile_config()
@@ -129,7 +139,7 @@ class TapeOpsMixin:
         metrics = super().metrics
         state = self.tapeops_state
         if state is not None and self.compiled:
-            metrics = metrics + list(state.term_trackers.values())
+            metrics = metrics + state.metrics
         return metrics
 
     def get_metrics_result(self):
@@ -197,17 +207,20 @@ class TapeOpsMixin:
         state = self.tapeops_state
         if state is not None and self.built:
             state.bind_variables(self)
+            self._own_transform_variables()
         return state
 
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.build_tapeops()
+        state = self.build_tapeops()
+        statistics = step_gate.batch_norm_snapshot(self, state)
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
         self.build_tapeops()  # binds now if the forward pass built the model
         _check_term_names_against_metrics(self, y, y_pred)
         if self.trainable_weights:
-            self.update_weights(grads, batch_size(x))
+            keep = self.update_weights(grads, batch_size(x))
+            step_gate.restore_unless(keep, statistics)
         else:
             warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -325,12 +338,17 @@ class TapeOpsMixin:
         return values
 
     def update_weights(self, grads, n_samples):
-        """Applies `grads` now, or adds them to the cross-batch window."""
+        """Applies `grads` now, or adds them to the cross-batch window.
+
+        Returns:
+            The step's keep decision (a scalar bool tensor) when a gating
+            transform such as `kt.SkipNonFinite` decided it now, else None.
+        """
         state = self.tapeops_state
         if state is not None and state.accumulator is not None:
             state.accumulator.add(self, grads, n_samples)
-        else:
-            self.apply_optimizer_step(grads, self.trainable_weights)
+            return None
+        return self.apply_optimizer_step(grads, self.trainable_weights)
 
     def apply_optimizer_step(self, grads, variables):
         """Aggregates, transforms and applies `grads` with the optimizer.
@@ -341,15 +359,18 @@ class TapeOpsMixin:
         non-finite step still reaches the LossScaleOptimizer as non-finite
         (see `keras_tapeops.true_gradients`).
         """
-        options = self.tapeops_options
-        has_transforms = options is not None and options.gradient_transforms
+        state = self.tapeops_state
+        has_transforms = state is not None and state.options.gradient_transforms
         if not has_transforms and not self._overrides_gradient_hooks():
             self.optimizer.apply_gradients(zip(grads, variables))
-            return
-        true_gradients.apply_transformed(
+            return None
+        bound = state.transforms if state is not None else []
+        return true_gradients.apply_transformed(
             self.optimizer, grads, variables,
             transform=self.transform_gradients,
             aggregate=self.aggregate_gradients,
+            keep_step=step_gate.keep_step_function(bound),
+            after_apply=step_gate.after_apply_function(bound, variables),
         )
 
     def aggregate_gradients(self, grads):

@@ -19,6 +19,7 @@ import keras
 
 from keras_tapeops import accumulation
 from keras_tapeops import paths
+from keras_tapeops.transforms.base import GradientTransform
 
 
 class ModelState:
@@ -82,9 +83,12 @@ class ModelState:
             return
         tree = tree or paths.LayerTree(model)
         options = self.options
-        transforms = [
-            (t, t.bind(model, variables, tree)) for t in options.gradient_transforms
-        ]
+        with model.distribute_strategy.scope():  # transform variables, metrics
+            transforms = [
+                (t, t.bind(model, variables, tree))
+                for t in options.gradient_transforms
+            ]
+        _check_metric_names(transforms, options.loss_terms)
         if options.accumulates:
             accumulation.check_model(model, options)
         if options.accumulation_steps > 1:
@@ -96,6 +100,41 @@ class ModelState:
         self._bound_variables = key
 
     @property
+    def transform_variables(self):
+        """Variables the bound transforms own (saved with the model), in order."""
+        return [v for _, s in self.transforms or [] for v in s.variables.values()]
+
+    @property
+    def metrics(self):
+        """Term trackers, then the bound transforms' metrics."""
+        transform_metrics = [
+            m for _, s in self.transforms or [] for m in s.metrics.values()
+        ]
+        return list(self.term_trackers.values()) + transform_metrics
+
+    @property
+    def gates(self):
+        """True if a bound transform may skip a step (`keep_step`)."""
+        return any(
+            type(t).keep_step is not GradientTransform.keep_step
+            for t, _ in self.transforms or []
+        )
+
+    @property
     def variables_bound(self):
         """True once transforms are bound to the model's trainable variables."""
         return self._bound_variables is not None
+
+
+def _check_metric_names(transforms, terms):
+    """Raises if two transform metrics, or a metric and a term, share a name."""
+    seen = {term.name: f"loss term {term.name!r}" for term in terms}
+    for transform, state in transforms:
+        for name in state.metrics:
+            if name in seen or name == "loss":
+                raise ValueError(
+                    f"{type(transform).__name__} logs a metric named {name!r}, "
+                    f"which is already taken (by {seen.get(name, 'the loss')}). "
+                    f"Give it another `name`. Received: name={name!r}"
+                )
+            seen[name] = f"{type(transform).__name__}"

@@ -19,7 +19,10 @@ import tensorflow as tf
 from keras_tapeops import _keras_private as private
 
 
-def apply_transformed(optimizer, grads, variables, transform, aggregate=None):
+def apply_transformed(
+    optimizer, grads, variables, transform, aggregate=None, keep_step=None,
+    after_apply=None,
+):
     """Applies `transform(true_grads, variables)` with `optimizer`.
 
     Args:
@@ -30,9 +33,14 @@ def apply_transformed(optimizer, grads, variables, transform, aggregate=None):
         transform: callable `(grads, variables) -> grads` on true gradients.
         aggregate: callable `grads -> (grads, was_reduced)`; default
             `sum_over_replicas`.
+        keep_step: optional callable `(true_grads, variables) -> None or
+            scalar bool`: False skips the optimizer step. Under a
+            LossScaleOptimizer a skipped step is handed to it as non-finite,
+            so it skips the step and lowers its scale as for any overflow.
+        after_apply: optional callable `()` run after the optimizer step.
 
     Returns:
-        None.
+        The keep decision (a scalar bool tensor), or None without gates.
 
     Example:
     ```python
@@ -48,19 +56,72 @@ def apply_transformed(optimizer, grads, variables, transform, aggregate=None):
     scale = loss_scale(optimizer)
     if scale is not None:
         grads = [map_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
+    keep = keep_step(grads, variables) if keep_step is not None else None
     new_grads = list(transform(grads, variables))
-    if private.is_loss_scale_optimizer(optimizer):
+    loss_scaled = private.is_loss_scale_optimizer(optimizer)
+    if loss_scaled:
         finite = all_finite(grads)
         new_grads = [keep_if_finite(finite, new, old) for new, old in zip(new_grads, grads)]
+        if keep is not None:  # the LossScaleOptimizer skips it as an overflow
+            new_grads = [poison_unless(keep, g) for g in new_grads]
     if scale is not None:
         new_grads = [map_values(g, lambda v: v * tf.cast(scale, v.dtype)) for g in new_grads]
-    guard = (
-        private.optimizer_all_reduce_disabled(optimizer)
-        if reduced
-        else contextlib.nullcontext()
+
+    def apply(grads):
+        guard = (
+            private.optimizer_all_reduce_disabled(optimizer)
+            if reduced
+            else contextlib.nullcontext()
+        )
+        with guard:
+            optimizer.apply_gradients(zip(grads, variables))
+
+    if keep is None or loss_scaled:
+        apply(new_grads)
+    else:
+        apply_if(keep, apply, new_grads)
+    if after_apply is not None:
+        after_apply()
+    return keep
+
+
+def apply_if(condition, apply, grads):
+    """Runs `apply(grads)` only where `condition` (equal on every replica) holds.
+
+    Under `tf.distribute` the optimizer synchronizes replicas, and a
+    synchronization point inside a replica-context `tf.cond` is not supported,
+    so the condition is taken in cross-replica context (`merge_call`) and the
+    apply re-enters replica context with `strategy.run`.
+    """
+    context = tf.distribute.get_replica_context()
+    if not tf.distribute.has_strategy() or context is None:
+        tf.cond(condition, lambda: _run(apply, grads), lambda: tf.constant(False))
+        return
+
+    def cross_replica(strategy, condition, grads):
+        condition = strategy.experimental_local_results(condition)[0]
+        return tf.cond(
+            condition,
+            lambda: _run(lambda g: strategy.run(apply, args=(g,)), grads),
+            lambda: tf.constant(False),
+        )
+
+    context.merge_call(cross_replica, args=(condition, grads))
+
+
+def _run(apply, grads):
+    apply(grads)
+    return tf.constant(True)
+
+
+def poison_unless(keep, grad):
+    """`grad` where `keep`, else nan (so a LossScaleOptimizer skips the step)."""
+    if grad is None:
+        return None
+    nan = tf.constant(float("nan"))
+    return map_values(
+        grad, lambda v: tf.where(keep, v, tf.cast(nan, v.dtype))
     )
-    with guard:
-        optimizer.apply_gradients(zip(new_grads, variables))
 
 
 def sum_over_replicas(grads):

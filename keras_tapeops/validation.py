@@ -150,3 +150,12 @@ def _kind(minimum, strict):
         return "positive finite number" if strict else "non-negative finite number"
     relation = ">" if strict else ">="
     return f"finite number {relation} {minimum}"
+
+
+def name(value, argument):
+    """Returns `value` if it is a non-empty string (a logged name), else raises."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(
+            f"`{argument}` must be a non-empty string. Received: {argument}={value!r}"
+        )
+    return value

@@ -13,7 +13,25 @@ model resolves from it lives with that model:
   variable, `None` and `tf.IndexedSlices` allowed) to a new list of the same
   length. Gradients are always true gradients: unscaled under mixed
   precision and summed over replicas under `tf.distribute`.
+
+Three optional parts make a transform stateful or observable (the built-in
+`SkipNonFinite` and `LogGradientNorm` use them):
+
+- In `bind`, `state.add_variable(...)` creates a variable the model owns
+  (created in its strategy scope, saved by `model.save`, checkpoints and
+  `BackupAndRestore`, restored by `load_model`), and `state.add_metric(...)`
+  a metric logged in History, the progress bar and TensorBoard under its
+  name (updated in the graph: no host synchronization per step).
+- `keep_step(grads, variables, state)` returns None (the default) or a
+  scalar bool tensor: False skips the whole optimizer step. Every gate sees
+  the true gradients before any transform; they are equal on every replica,
+  so every replica takes the same decision.
+- `after_apply(variables, previous, state)` runs after the optimizer step
+  (when `needs_previous_values` is True, `previous` holds the selected
+  variables' values before it; else None).
 """
+
+import keras
 
 from keras_tapeops import selectors
 from keras_tapeops.config_repr import ConfigRepr
@@ -37,6 +55,35 @@ class TransformState:
 
     def __init__(self, selected):
         self.selected = list(selected)
+        self.variables = {}  # name -> keras.Variable, owned by the model
+        self.metrics = {}  # name -> keras.metrics.Metric, logged
+
+    def add_variable(self, name, initial_value, dtype="float32"):
+        """Creates a non-trainable variable saved with the model; returns it.
+
+        Call from `bind` (the model's strategy scope is active there). Under
+        `tf.distribute` every replica computes the same value from the same
+        true gradients, so the first replica's write is kept.
+
+        Args:
+            name: a name unique within this transform.
+            initial_value: a number or array.
+            dtype: the variable's dtype.
+
+        Returns:
+            A `keras.Variable`.
+        """
+        variable = keras.Variable(
+            initial_value, dtype=dtype, trainable=False, name=name,
+            aggregation="only_first_replica",
+        )
+        self.variables[name] = variable
+        return variable
+
+    def add_metric(self, metric):
+        """Registers a `keras.metrics.Metric` logged under `metric.name`; returns it."""
+        self.metrics[metric.name] = metric
+        return metric
 
     def __repr__(self):
         return f"TransformState(selected={self.selected})"
@@ -68,6 +115,8 @@ class GradientTransform(ConfigRepr):
     ```
     """
 
+    needs_previous_values = False  # after_apply gets the pre-step values
+
     def __init__(self, where=None):
         self.where = selectors.validate_selector(where)
 
@@ -83,6 +132,14 @@ class GradientTransform(ConfigRepr):
             A `TransformState` for this model. `self` is not changed.
         """
         return TransformState(selectors.select(self.where, model, variables, tree))
+
+    def keep_step(self, grads, variables, state):
+        """None, or a scalar bool tensor: False skips this optimizer step."""
+        return None
+
+    def after_apply(self, variables, previous, state):
+        """Runs after the optimizer step (e.g. to log the update). Returns None."""
+        return None
 
     def transform(self, grads, variables, state):
         """Returns the transformed list of gradients (same length as `grads`)."""

@@ -1,0 +1,101 @@
+"""`SkipNonFinite`: a step whose gradient has a nan or inf changes nothing."""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import validation
+from keras_tapeops.registration import register
+from keras_tapeops.transforms.base import GradientTransform
+
+
+@register
+class SkipNonFinite(GradientTransform):
+    """Skips every optimizer step whose selected true gradients are not all finite.
+
+    A skipped step changes nothing: the optimizer is not called (weights,
+    optimizer slots, `optimizer.iterations` and learning-rate schedules stay
+    bit-identical) and the BatchNormalization moving statistics the forward
+    pass updated are restored. The decision is taken on true gradients
+    (summed over replicas), so every replica takes the same one. The epoch's
+    number of skipped steps is logged as `skipped_steps`.
+
+    With mixed precision the LossScaleOptimizer still sees the step as an
+    overflow: it skips it and halves its scale, as without this transform
+    (an overflow of the scaled loss counts as a skipped step too). With
+    `accumulation_steps`, a non-finite batch makes its window's sum
+    non-finite and the whole window is skipped (moving statistics of the
+    window's batches are not restored). With `micro_batches`, the batch is
+    skipped and its statistics restored.
+
+    Args:
+        max_consecutive: None, or an int >= 1: after this many skipped steps
+            in a row training stops with an error (the count is saved with
+            the model, so it survives `BackupAndRestore`). Not checked
+            under XLA (`jit_compile=True`), which drops assertions.
+        where: selector of the gradients checked (None: all).
+        name: the logged metric's name.
+
+    Returns:
+        A transform for `compile(gradient_transforms=[...])`; place it first.
+
+    Example:
+    ```python
+    model.compile(optimizer="adam", loss="mse",
+                  gradient_transforms=[kt.SkipNonFinite(max_consecutive=10),
+                                       kt.ClipByGlobalNorm(1.0)])
+    ```
+    """
+
+    def __init__(self, max_consecutive=None, where=None, name="skipped_steps"):
+        super().__init__(where=where)
+        if max_consecutive is not None:
+            max_consecutive = validation.positive_int(max_consecutive, "max_consecutive")
+        self.max_consecutive = max_consecutive
+        self.name = validation.name(name, "name")
+
+    def bind(self, model, variables, tree=None):
+        state = super().bind(model, variables, tree)
+        state.add_variable("consecutive_skips", 0.0)
+        state.add_metric(keras.metrics.Sum(name=self.name))
+        return state
+
+    def keep_step(self, grads, variables, state):
+        checks = [
+            tf.reduce_all(tf.math.is_finite(_values(g)))
+            for g, on in zip(grads, state.selected)
+            if on and g is not None
+        ]
+        finite = tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+        skipped = 1.0 - tf.cast(finite, tf.float32)
+        # Each replica counts the (shared) decision; Keras averages the
+        # replicas' logged results, so the count is not multiplied.
+        state.metrics[self.name].update_state(skipped)
+        counter = state.variables["consecutive_skips"]
+        in_a_row = (counter + skipped) * skipped  # reset by a finite step
+        counter.assign(in_a_row)
+        if self.max_consecutive is not None:
+            tf.debugging.assert_less(
+                in_a_row,
+                tf.constant(float(self.max_consecutive)),
+                message=(
+                    f"SkipNonFinite: {self.max_consecutive} steps in a row had "
+                    "non-finite gradients, so training stops (lower the "
+                    "learning rate, check the data, or clip). Received: "
+                    f"max_consecutive={self.max_consecutive}"
+                ),
+            )
+        return finite
+
+    def transform(self, grads, variables, state):
+        return list(grads)
+
+    def get_config(self):
+        return {
+            "max_consecutive": self.max_consecutive,
+            "name": self.name,
+            **super().get_config(),
+        }
+
+
+def _values(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
