@@ -18,6 +18,7 @@ from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micr
 from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
 from keras_tapeops.penalty import gradient_penalty  # noqa: E402
+from keras_tapeops.sam import SAM  # noqa: E402
 from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
@@ -54,6 +55,8 @@ __all__ = [
     "LossTerm",
     "Term",
     "TermContext",
+    # Sharpness-aware minimization (compile(sharpness_aware=...)).
+    "SAM",
     # Gradient penalties and GANs.
     "WGANGP",
     "gradient_penalty",

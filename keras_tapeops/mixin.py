@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_tapeops import _keras_private as private
 from keras_tapeops import accumulation
 from keras_tapeops import capture
+from keras_tapeops import sam
 from keras_tapeops import step_gate
 from keras_tapeops import true_gradients
 from keras_tapeops.options import OPTION_NAMES
@@ -53,6 +54,7 @@ class TapeOpsMixin:
     """
 
     _tapeops_evaluating = False  # True while evaluate()/test_on_batch() run
+    _tapeops_logging = True  # False while SAM's second pass is traced
 
     # ------------------------------------------------------------------ compile
     def compile(
@@ -63,6 +65,7 @@ class TapeOpsMixin:
         micro_batches=1,
         accumulation_steps=1,
         batch_norm_updates="large_batch",
+        sharpness_aware=None,
         **kwargs,
     ):
         """Stock `compile()` plus the keras_tapeops options.
@@ -76,6 +79,8 @@ class TapeOpsMixin:
             accumulation_steps: batches per optimizer step.
             batch_norm_updates: `"large_batch"` or `"per_micro_batch"`: how
                 BatchNormalization moving statistics follow `micro_batches`.
+            sharpness_aware: None or a `kt.SAM`: sharpness-aware
+                minimization (two forward/backward passes per step).
 
         Returns:
             None. Raises before changing anything if an option is invalid.
@@ -86,6 +91,7 @@ class TapeOpsMixin:
             micro_batches=micro_batches,
             accumulation_steps=accumulation_steps,
             batch_norm_updates=batch_norm_updates,
+            sharpness_aware=sharpness_aware,
         )
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         check_optimizer_conflicts(optimizer, options)
@@ -240,11 +246,34 @@ class TapeOpsMixin:
         trainable variable.
         """
         options = self.tapeops_options
-        if options is not None and options.micro_batches > 1:
-            return accumulation.micro_batch_gradients(
-                self, x, y, sample_weight, options.micro_batches
+
+        def gradient_pass():
+            if options is not None and options.micro_batches > 1:
+                return accumulation.micro_batch_gradients(
+                    self, x, y, sample_weight, options.micro_batches
+                )
+            return self.batch_gradients(x, y, sample_weight)
+
+        if options is not None and options.sharpness_aware is not None:
+            return sam.sharpness_aware_gradients(
+                self, options.sharpness_aware,
+                lambda: self.build_tapeops().sam_selected, gradient_pass,
             )
-        return self.batch_gradients(x, y, sample_weight)
+        return gradient_pass()
+
+    @contextlib.contextmanager
+    def tapeops_unlogged(self):
+        """Forward passes traced inside this block update no loss or term tracker.
+
+        Used for SAM's second pass: the step logs the loss at the weights,
+        not at the perturbed point.
+        """
+        previous = self._tapeops_logging
+        object.__setattr__(self, "_tapeops_logging", False)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_tapeops_logging", previous)
 
     def batch_gradients(self, x, y, sample_weight, loss_multiplier=None):
         """One forward/backward pass: returns `(gradients, y_pred)`.
@@ -290,14 +319,16 @@ class TapeOpsMixin:
             values = [
                 tf.where(n > 0, tf.cast(v, "float32"), 0.0) for v in values
             ]
-        for (term, _), value in zip(terms, values):
-            state.term_trackers[term.name].update_state(value, sample_weight=n)
+        if self._tapeops_logging:
+            for (term, _), value in zip(terms, values):
+                state.term_trackers[term.name].update_state(value, sample_weight=n)
         if values:
             total = tf.add_n([tf.cast(v, "float32") for v in values])
             loss = loss + tf.cast(scale_for_distribution(total), loss.dtype)
-        private.loss_tracker(self).update_state(
-            unscale_for_distribution(loss), sample_weight=n
-        )
+        if self._tapeops_logging:
+            private.loss_tracker(self).update_state(
+                unscale_for_distribution(loss), sample_weight=n
+            )
         return loss, y_pred
 
     def compute_terms(self, terms, context):

@@ -9,6 +9,7 @@ import keras
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.registration import serialize_all
+from keras_tapeops.sam import SAM
 from keras_tapeops.terms.base import Term
 from keras_tapeops.transforms.base import GradientTransform
 
@@ -18,6 +19,7 @@ OPTION_NAMES = (
     "micro_batches",
     "accumulation_steps",
     "batch_norm_updates",
+    "sharpness_aware",
 )
 
 BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
@@ -53,6 +55,7 @@ class TapeOpsOptions(ConfigRepr):
         micro_batches=1,
         accumulation_steps=1,
         batch_norm_updates="large_batch",
+        sharpness_aware=None,
     ):
         self.gradient_transforms = validation.instances(
             gradient_transforms, GradientTransform, "gradient_transforms",
@@ -70,6 +73,12 @@ class TapeOpsOptions(ConfigRepr):
         self.batch_norm_updates = validation.choice(
             batch_norm_updates, "batch_norm_updates", BATCH_NORM_UPDATES
         )
+        if sharpness_aware is not None and not isinstance(sharpness_aware, SAM):
+            raise TypeError(
+                "`sharpness_aware` must be None or a kt.SAM (e.g. "
+                f"kt.SAM(rho=0.05)). Received: sharpness_aware={sharpness_aware!r}"
+            )
+        self.sharpness_aware = sharpness_aware
 
     @property
     def transforms(self):
@@ -89,6 +98,7 @@ class TapeOpsOptions(ConfigRepr):
             or self.loss_terms
             or self.micro_batches > 1
             or self.accumulation_steps > 1
+            or self.sharpness_aware is not None
         )
 
     @property
@@ -113,6 +123,11 @@ class TapeOpsOptions(ConfigRepr):
             "micro_batches": self.micro_batches,
             "accumulation_steps": self.accumulation_steps,
             "batch_norm_updates": self.batch_norm_updates,
+            "sharpness_aware": (
+                serialize_all([self.sharpness_aware], model)[0]
+                if self.sharpness_aware is not None
+                else None
+            ),
         }
 
     @staticmethod
@@ -124,6 +139,10 @@ class TapeOpsOptions(ConfigRepr):
                 kwargs[key] = [
                     keras.saving.deserialize_keras_object(c) for c in kwargs[key]
                 ]
+        if kwargs.get("sharpness_aware"):
+            kwargs["sharpness_aware"] = keras.saving.deserialize_keras_object(
+                kwargs["sharpness_aware"]
+            )
         return kwargs
 
 

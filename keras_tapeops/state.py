@@ -46,6 +46,7 @@ class ModelState:
         self.terms = [(term, term.bind(model, tree)) for term in options.loss_terms]
         self.term_trackers = {}
         self.transforms = None  # [(transform, TransformState)] once bound
+        self.sam_selected = None  # the SAM option's selection once bound
         self.accumulator = None
         self.metric_names_checked = False
         self._bound_variables = None
@@ -89,6 +90,8 @@ class ModelState:
                 for t in options.gradient_transforms
             ]
         _check_metric_names(transforms, options.loss_terms)
+        sam = options.sharpness_aware
+        sam_selected = sam.bind(model, variables, tree) if sam is not None else None
         if options.accumulates:
             accumulation.check_model(model, options)
         if options.accumulation_steps > 1:
@@ -97,6 +100,7 @@ class ModelState:
                     model, options.accumulation_steps
                 )
         self.transforms = transforms
+        self.sam_selected = sam_selected
         self._bound_variables = key
 
     @property

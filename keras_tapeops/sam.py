@@ -1,0 +1,162 @@
+"""Sharpness-aware minimization: `compile(sharpness_aware=kt.SAM(rho=0.05))`.
+
+Each step (Foret et al. 2021; ASAM: Kwon et al. 2021):
+
+1. the first pass computes the gradient `g` at the weights `w` (this pass is
+   the one logged: loss, terms, metrics; BatchNormalization moving statistics
+   are updated here, once per step);
+2. the selected weights move to `w + e`, with `e = rho * g / ||g||`
+   (ASAM, `adaptive=True`: `e = rho * |w|^2 g / || |w| g ||`, element-wise),
+   the norm taken over the selected group on true gradients (unscaled under
+   mixed precision, summed over replicas);
+3. the second pass computes the gradient at `w + e` (loss terms and gradient
+   penalties are part of both passes; nothing is logged, and the moving
+   statistics it would update are put back);
+4. the weights are restored exactly (copied back, not `w + e - e`) and the
+   second gradient goes through the usual pipeline: all-reduce, gradient
+   transforms, optimizer.
+
+Under `tf.distribute` the perturbation uses the global gradient (one extra
+all-reduce per step), so training equals single-device SAM on the same global
+batch; the paper's per-replica m-sharpness is not used. With `micro_batches`,
+both passes run over the micro-batches (the perturbation comes from the whole
+batch's gradient); with `accumulation_steps`, every batch is perturbed by its
+own gradient and the windows sum the second gradients.
+"""
+
+import tensorflow as tf
+
+from keras_tapeops import selectors
+from keras_tapeops import true_gradients
+from keras_tapeops import validation
+from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.registration import register
+from keras_tapeops.accumulation.batch_norm import batch_norm_layers
+from keras_tapeops.transforms.clipping import squared_norm
+
+
+@register
+class SAM(ConfigRepr):
+    """Sharpness-aware minimization, configured at `compile(sharpness_aware=...)`.
+
+    Args:
+        rho: positive finite number, the radius of the perturbation.
+        adaptive: ASAM: scale the perturbation element-wise by `|w|`.
+        where: selector of the weights perturbed (None: all trainable);
+            the others keep their value in the second pass.
+
+    Returns:
+        The option for `compile(sharpness_aware=...)`.
+
+    Example:
+    ```python
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                  sharpness_aware=kt.SAM(rho=0.05))
+    ```
+    """
+
+    def __init__(self, rho=0.05, adaptive=False, where=None):
+        self.rho = validation.positive_number(rho, "rho")
+        self.adaptive = validation.boolean(adaptive, "adaptive")
+        self.where = selectors.validate_selector(where)
+
+    def bind(self, model, variables, tree=None):
+        """Returns the selection (list of bools) for `model`'s `variables`."""
+        return selectors.select(self.where, model, variables, tree)
+
+    def perturbation(self, grads, variables, selected):
+        """`e` for every variable (None where not selected or no gradient).
+
+        Args:
+            grads: true gradients (dense or IndexedSlices, None allowed).
+            variables: the matching variables.
+            selected: list of bools.
+
+        Returns:
+            A list of tensors or None, aligned with `variables`.
+        """
+        scaled = []
+        for g, v, on in zip(grads, variables, selected):
+            if not on or g is None:
+                scaled.append(None)
+                continue
+            g = tf.cast(tf.convert_to_tensor(g), "float32")
+            if self.adaptive:
+                g = g * tf.abs(tf.cast(tf.convert_to_tensor(v), "float32"))
+            scaled.append(g)
+        present = [s for s in scaled if s is not None]
+        if not present:
+            return scaled
+        norm = tf.sqrt(tf.add_n([squared_norm(s) for s in present]))
+        factor = self.rho / tf.maximum(norm, 1e-12)
+        out = []
+        for s, v in zip(scaled, variables):
+            if s is None:
+                out.append(None)
+                continue
+            if self.adaptive:
+                s = s * tf.abs(tf.cast(tf.convert_to_tensor(v), "float32"))
+            out.append(tf.cast(s * factor, v.dtype))
+        return out
+
+    def get_config(self):
+        return {
+            "rho": self.rho,
+            "adaptive": self.adaptive,
+            "where": selectors.serialize_selector(self.where),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["where"] = selectors.deserialize_selector(config.get("where"))
+        return cls(**config)
+
+
+def sharpness_aware_gradients(model, sam, selection, gradient_pass):
+    """Runs the two passes of one SAM step; returns `(grads, y_pred)`.
+
+    Args:
+        model: the keras_tapeops model (its optimizer gives the loss scale).
+        sam: the `SAM` configuration.
+        selection: `() -> list of bools`: the model's bound selection for
+            `sam` (asked after the first pass, which builds a lazy model).
+        gradient_pass: `() -> (grads, y_pred)`: one logged forward/backward
+            pass over the batch (micro-batched if asked); called twice.
+
+    Returns:
+        The second pass's gradients (per replica, optimizer-scaled, as
+        `gradient_pass` returns them) and the first pass's predictions.
+    """
+    grads, y_pred = gradient_pass()
+    variables = model.trainable_variables
+    true, _ = true_gradients.sum_over_replicas(grads)
+    scale = true_gradients.loss_scale(model.optimizer) if model.optimizer else None
+    if scale is not None:
+        true = [
+            true_gradients.map_values(g, lambda t: t / tf.cast(scale, t.dtype))
+            for g in true
+        ]
+    perturbation = sam.perturbation(true, variables, selection())
+    saved = [
+        tf.identity(tf.convert_to_tensor(v)) if e is not None else None
+        for v, e in zip(variables, perturbation)
+    ]
+    for v, e in zip(variables, perturbation):
+        if e is not None:
+            v.assign_add(e)
+    statistics = [
+        (m, tf.identity(tf.convert_to_tensor(m)))
+        for layer in batch_norm_layers(model)
+        for m in (layer.moving_mean, layer.moving_variance)
+    ]
+    with model.tapeops_unlogged():
+        grads, _ = gradient_pass()
+    # Automatic control dependencies order these writes after the second
+    # pass's reads of the same variables.
+    for v, old in zip(variables, saved):
+        if old is not None:
+            v.assign(old)
+    for m, old in statistics:
+        m.assign(old)
+    return grads, y_pred
