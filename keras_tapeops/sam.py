@@ -40,7 +40,8 @@ class SAM(ConfigRepr):
     """Sharpness-aware minimization, configured at `compile(sharpness_aware=...)`.
 
     Args:
-        rho: positive finite number, the radius of the perturbation.
+        rho: non-negative finite number, the radius of the perturbation
+            (0 is plain training, at twice the cost).
         adaptive: ASAM: scale the perturbation element-wise by `|w|`.
         where: selector of the weights perturbed (None: all trainable);
             the others keep their value in the second pass.
@@ -56,7 +57,7 @@ class SAM(ConfigRepr):
     """
 
     def __init__(self, rho=0.05, adaptive=False, where=None):
-        self.rho = validation.positive_number(rho, "rho")
+        self.rho = validation.non_negative_number(rho, "rho")
         self.adaptive = validation.boolean(adaptive, "adaptive")
         self.where = selectors.validate_selector(where)
 
@@ -128,6 +129,10 @@ def sharpness_aware_gradients(model, sam, selection, gradient_pass):
         The second pass's gradients (per replica, optimizer-scaled, as
         `gradient_pass` returns them) and the first pass's predictions.
     """
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built and model.built:
+        # Its loss scale must be a variable before either pass scales a loss.
+        optimizer.build(model.trainable_variables)
     grads, y_pred = gradient_pass()
     variables = model.trainable_variables
     true, _ = true_gradients.sum_over_replicas(grads)
