@@ -170,3 +170,93 @@ def set_owned_variables(model, name, variables):
         object.__delattr__(model, name)
     if variables:
         setattr(model, name, list(variables))
+
+
+def maybe_symbolic_build(model, iterator, data_batch, stock):
+    """Keras's `_maybe_symbolic_build`, working under MultiWorkerMirroredStrategy.
+
+    keras-team/keras#20585: before the first step Keras builds the model from
+    the first batch; with a multi-worker strategy that batch is a
+    `PerReplica` value and Keras's `strategy.reduce("MEAN", ...)` of it
+    fails ("Attempt to convert a value (PerReplica...)"). Only the shapes and
+    dtypes matter for the build, so the local replica's batch is used.
+    Every other strategy takes Keras's own path (`stock`).
+    """
+    import tensorflow as tf
+
+    strategy = model.distribute_strategy
+    if iterator is None or not _is_multi_worker(strategy):
+        return stock(iterator=iterator, data_batch=data_batch)
+    for _, _, batches in iterator:
+        data_batch = next(batches)
+        break
+    data_batch = tf.nest.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        data_batch,
+    )
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+def _is_multi_worker(strategy):
+    import tensorflow as tf
+
+    return isinstance(
+        strategy,
+        (
+            tf.distribute.MultiWorkerMirroredStrategy,
+            tf.distribute.experimental.MultiWorkerMirroredStrategy,
+        ),
+    )
+
+
+def with_multi_worker_logs(model, function):
+    """`function` (a Keras train/test function), fixed for multi-worker logs.
+
+    Keras averages each step's logs over replicas with
+    `strategy.reduce("MEAN", value, axis=0)` under a multi-worker strategy,
+    which fails for the scalar logs every model returns ("Invalid reduction
+    dimension 0 for input with 0 dimensions"; the second failure reported
+    with keras-team/keras#20585). While this model's function runs (and so
+    while it is traced), the module's `reduce_per_replica` reduces scalars
+    with `axis=None`; other strategies, other reductions and other models
+    keep Keras's code. Returns `function` itself for other strategies.
+    """
+    if function is None or not _is_multi_worker(model.distribute_strategy):
+        return function
+    if getattr(function, "_tapeops_multi_worker", False):
+        return function
+
+    def call(*args, **kwargs):
+        with _multi_worker_mean():
+            return function(*args, **kwargs)
+
+    call._tapeops_multi_worker = True
+    return call
+
+
+@contextlib.contextmanager
+def _multi_worker_mean():
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    stock = tf_trainer.reduce_per_replica
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not _is_multi_worker(strategy):
+            return stock(values, strategy, reduction)
+
+        def mean(value):
+            local = strategy.experimental_local_results(value)[0]
+            axis = 0 if tf.convert_to_tensor(local).shape.rank else None
+            return strategy.reduce("MEAN", value, axis=axis)
+
+        return tf.nest.map_structure(mean, values)
+
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    try:
+        yield
+    finally:
+        tf_trainer.reduce_per_replica = stock

@@ -195,13 +195,25 @@ class TapeOpsMixin:
             args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
         return super().fit(*args, **kwargs)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras's build before the first step fails under
+        # MultiWorkerMirroredStrategy (keras-team/keras#20585): see
+        # `_keras_private.maybe_symbolic_build`.
+        private.maybe_symbolic_build(
+            self, iterator, data_batch, super()._maybe_symbolic_build
+        )
+
     def make_train_function(self, force=False):
         self.build_tapeops()
-        return super().make_train_function(force=force)
+        super().make_train_function(force=force)
+        self.train_function = private.with_multi_worker_logs(self, self.train_function)
+        return self.train_function
 
     def make_test_function(self, force=False):
         self.build_tapeops()
-        return super().make_test_function(force=force)
+        super().make_test_function(force=force)
+        self.test_function = private.with_multi_worker_logs(self, self.test_function)
+        return self.test_function
 
     def build_tapeops(self):
         """Binds this model's state to its variables once they exist; returns it.
