@@ -383,8 +383,10 @@ class ReductionRecorder:
     reduces and the chain of graphs it was traced in (innermost first:
     `while_body_*` for a `tf.while_loop` body, `cond_true_*` for a `tf.cond`
     branch, `one_step_on_data` for Keras's train step, `flush_step` for the
-    accumulator's flush). A call inside a while body is traced once however
-    many times the loop runs, so it is caught by its graph, not by counting.
+    accumulator's flush). A call inside a while body, or inside a function
+    the body calls, is traced once however many times the loop runs, so it is
+    caught by its graph, not by counting: any graph nested in the step other
+    than a `tf.cond` branch counts as per-micro-batch.
     """
 
     STEP_GRAPHS = ("one_step_on_data", "flush_step")
@@ -440,9 +442,12 @@ class ReductionRecorder:
         problems = []
         for label, shapes, chain in self.calls:
             inner = _inside_step(chain)
-            if any(_name(g).startswith("while_") for g in inner):
+            # A while body, or a function traced once and called from one (the
+            # micro-batch pass is a concrete function the loop calls): anything
+            # nested in the step other than a tf.cond branch runs per micro-batch.
+            if any(not _name(g).startswith("cond_") for g in inner):
                 problems.append(f"{label} reduction of {shapes} inside a while loop "
-                                f"({[_name(g) for g in chain]})")
+                                f"or a function it calls ({[_name(g) for g in chain]})")
         traced = {id(_step_graph(chain)): _step_graph(chain) for chain in self.steps}
         for _, _, chain in self.calls:  # the flush of a partial window applies too
             if _name(_step_graph(chain)).startswith("flush_step"):
