@@ -48,8 +48,20 @@ def roundtrip(obj):
 CONFIG_CLASSES = [
     kt.ActivationPenalty, kt.LossTerm, kt.GradientPenalty, kt.ClipByValue,
     kt.ClipByNorm, kt.ClipByGlobalNorm, kt.WGANGP, kt.TapeOpsSequential,
-    kt.TapeOpsFunctional,
+    kt.TapeOpsFunctional, kt.SkipNonFinite, kt.LogGradientNorm, kt.SAM,
 ]
+
+
+@pytest.mark.parametrize("obj", [
+    kt.SkipNonFinite(max_consecutive=np.int64(3), where="out*", name="skips"),
+    kt.LogGradientNorm(where=["hid*"], name="hidden_norm", log_max=True),
+    kt.SAM(rho=0.2, adaptive=True, where="hidden"),
+], ids=lambda o: type(o).__name__)
+def test_round_trip_of_the_newer_config_classes(obj):
+    again = roundtrip(obj)
+    assert repr(again) == repr(obj)
+    via_keras = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(obj))
+    assert via_keras.get_config() == obj.get_config()
 
 
 @pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
