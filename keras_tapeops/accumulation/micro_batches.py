@@ -135,8 +135,7 @@ def _spec(structure, batch):
             shape[0] = None
         return tf.TensorSpec(shape, t.dtype)
 
-    return [spec(t) for t in structure] if isinstance(structure, list) and not batch \
-        else tf.nest.map_structure(spec, structure)
+    return tf.nest.map_structure(spec, structure)
 
 
 def _dtype(grad):
