@@ -313,7 +313,7 @@ def deserialize_selector(config):
     return validate_selector(config)
 
 
-def serialize_callable(fn, name):
+def serialize_callable(fn, name, owner=None):
     """Serializes a callable argument, or raises if it could not be loaded back.
 
     Functions must be registered with `keras.saving.register_keras_serializable`
@@ -323,6 +323,7 @@ def serialize_callable(fn, name):
     Args:
         fn: the callable.
         name: the argument name used in the message.
+        owner: optional description of what holds it (e.g. "LossTerm 'm'").
 
     Returns:
         Keras's serialized form of `fn`.
@@ -339,8 +340,9 @@ def serialize_callable(fn, name):
         restored = None
     loads_back = restored is fn if _is_function(fn) else restored is not None
     if not loads_back:
+        subject = f"{owner} cannot be saved: its `{name}`" if owner else f"`{name}` cannot be saved: it"
         raise ValueError(
-            f"`{name}` cannot be saved: it is not registered for Keras "
+            f"{subject} is not registered for Keras "
             "serialization (lambdas and local functions cannot be). Define it "
             "at module level and decorate it (or its class) with "
             "@keras.saving.register_keras_serializable(package='my_package'). "

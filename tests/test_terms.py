@@ -121,7 +121,8 @@ def test_unserializable_callable_object_cannot_be_saved():
         def __call__(self, model, x, y, y_pred):
             return 0.0
 
-    with pytest.raises(ValueError, match=r"neither a registered function"):
+    with pytest.raises(ValueError, match=r"LossTerm 't' cannot be saved: its `fn` is not "
+                                         r"registered.*Received: fn="):
         kt.LossTerm(Fn(), name="t").get_config()
 
 

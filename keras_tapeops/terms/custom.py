@@ -1,10 +1,9 @@
 """`LossTerm`: a user function `fn(model, x, y, y_pred) -> scalar` added to the loss."""
 
-import types
-
 import keras
 import tensorflow as tf
 
+from keras_tapeops import selectors
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
 
@@ -66,7 +65,9 @@ class LossTerm(Term):
 
     def get_config(self):
         config = super().get_config()
-        config["fn"] = serialize_fn(self.fn, self.name)
+        config["fn"] = selectors.serialize_callable(
+            self.fn, "fn", owner=f"LossTerm {self.name!r}"
+        )
         return config
 
     @classmethod
@@ -74,30 +75,3 @@ class LossTerm(Term):
         config = dict(config)
         config["fn"] = keras.saving.deserialize_keras_object(config["fn"])
         return super().from_config(config)
-
-
-def serialize_fn(fn, term_name):
-    """Serializes `fn` with Keras; raises ValueError if it could not be loaded back.
-
-    Plain functions must be registered with
-    `keras.saving.register_keras_serializable`; lambdas, local functions
-    and unregistered functions cannot be saved.
-    """
-    if isinstance(fn, types.FunctionType):
-        registered = keras.saving.get_registered_name(fn)
-        if keras.saving.get_registered_object(registered) is not fn:
-            raise ValueError(
-                f"LossTerm {term_name!r} cannot be saved: its `fn` is not "
-                "registered for Keras serialization (lambdas and local "
-                "functions cannot be). Define it at module level and decorate "
-                "it with @keras.saving.register_keras_serializable("
-                f"package='my_package'). Received: fn={fn!r}"
-            )
-    elif not hasattr(fn, "get_config"):
-        raise ValueError(
-            f"LossTerm {term_name!r} cannot be saved: `fn` is neither a "
-            "registered function nor an object with get_config(). Register it "
-            "with @keras.saving.register_keras_serializable(package='my_package'). "
-            f"Received: fn={fn!r}"
-        )
-    return keras.saving.serialize_keras_object(fn)
