@@ -3,7 +3,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-oldest bench clean
+
+# The oldest supported pair (the floors in pyproject.toml), pinned exactly.
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_TENSORFLOW ?= 2.18.0
+OLDEST_KERAS ?= 3.10.0
+OLDEST_STAMP := $(OLDEST_VENV)/.installed-tensorflow-$(OLDEST_TENSORFLOW)-keras-$(OLDEST_KERAS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +23,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
+
+$(OLDEST_STAMP): pyproject.toml
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	rm -f $(OLDEST_VENV)/.installed-*
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet "tensorflow==$(OLDEST_TENSORFLOW)" "keras==$(OLDEST_KERAS)" -e ".[test]"
+	TF_CPP_MIN_LOG_LEVEL=3 $(OLDEST_PY) -c "import keras, tensorflow as tf; assert (tf.__version__, keras.__version__) == ('$(OLDEST_TENSORFLOW)', '$(OLDEST_KERAS)'), (tf.__version__, keras.__version__)"
+	touch $(OLDEST_STAMP)
+
+# The suite on the oldest supported tensorflow/keras pair, in its own venv.
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pytest -n 2 -q tests
 
 bench: $(STAMP)
 	@for f in bench/*.py; do [ "$$f" = bench/common.py ] && continue; echo "== $$f"; $(PY) $$f || exit 1; done
