@@ -1,0 +1,53 @@
+"""examples/finetune_applications.py runs on CPU and prints what each phase changed."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "finetune_applications.py"
+
+
+def run_script(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    # 20-40 s measured on 2 CPU cores shared with other jobs (load 5-7).
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def number(pattern, text):
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not in:\n{text}"
+    return float(match.group(1))
+
+
+def test_two_phases_with_one_transform_list(tmp_path):
+    out = run_script(tmp_path)
+
+    # Phase 1: the backbone selector names only frozen layers: one warning, no effect.
+    warned = re.findall(r"^phase (\d): warning: (.*)$", out, re.M)
+    assert [p for p, _ in warned] == ["1"], out
+    assert "'backbone/*'" in warned[0][1] and "frozen" in warned[0][1]
+    assert re.search(r"phase 1: ClipByGlobalNorm\(.*where='backbone/\*'.*\) acts on 0 variables", out)
+    assert number(r"phase 1: max \|dw\| backbone = (\S+)", out) == 0.0
+    assert number(r"phase 1: max \|dw\| head = (\S+)", out) > 1e-3
+
+    # Phase 2: the same list clips the unfrozen backbone (its gradient norm exceeds 1.0).
+    assert number(r"phase 2: ClipByGlobalNorm\(.*\) acts on (\d+) variables", out) == 52
+    for phase in (1, 2):
+        assert number(rf"phase {phase}: ClipByNorm\(.*where='head'.*\) acts on (\d+) variables", out) == 2
+    assert number(r"phase 2: gradient global norm on the first batch: backbone (\S+),", out) > 1.0
+    assert number(r"phase 2: max \|dw\| backbone = (\S+)", out) > 1e-5
+    assert number(r"phase 2: max \|dw\| head = (\S+)", out) > 1e-5
+
+    # BatchNormalization stayed in inference mode, and both phases learned.
+    assert out.count("BatchNormalization moving statistics unchanged: True") == 2, out
+    for phase in (1, 2):
+        first, last = map(float, re.search(
+            rf"phase {phase}: trainable variables \d+, loss (\S+) -> (\S+)", out).groups())
+        assert last < first, out
