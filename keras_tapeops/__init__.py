@@ -15,10 +15,13 @@ from keras_tapeops.backend_check import require_tensorflow_backend
 require_tensorflow_backend()
 
 from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
+from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
 from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
 from keras_tapeops.penalty import gradient_penalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
+from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
+from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
 from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
@@ -55,8 +58,11 @@ __all__ = [
     "LossTerm",
     "Term",
     "TermContext",
-    # Sharpness-aware minimization (compile(sharpness_aware=...)).
+    # Sharpness-aware minimization (compile(sharpness_aware=...)) and curvature.
     "SAM",
+    "callbacks",
+    "hessian_vector_product",
+    "top_hessian_eigenvalue",
     # Gradient penalties and GANs.
     "WGANGP",
     "gradient_penalty",

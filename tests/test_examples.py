@@ -48,3 +48,12 @@ def test_wgan_gp_example_moves_samples_onto_the_ring(tmp_path):
 ])
 def test_other_examples_run_to_the_end(tmp_path, name, expected):
     assert expected in run_example(name, tmp_path)
+
+
+def test_sam_example_reaches_a_flatter_minimum(tmp_path):
+    out = run_example("sam.py", tmp_path)
+    eigenvalues = [float(v) for v in re.findall(r"top Hessian eigenvalue (\S+)", out)]
+    accuracies = [float(v) for v in re.findall(r"test accuracy (\S+)", out)]
+    assert len(eigenvalues) == 2 and len(accuracies) == 2, out
+    assert min(accuracies) > 0.9, out
+    assert "SAM ends at a flatter minimum: True" in out, out

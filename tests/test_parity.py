@@ -199,7 +199,10 @@ def test_evaluate_and_predict_match_stock():
     np.testing.assert_allclose(
         stock.predict(x, verbose=0), enabled.predict(x, verbose=0), atol=TOL
     )
-    assert stock.train_on_batch(x[:16], y[:16]) == pytest.approx(
-        enabled.train_on_batch(x[:16], y[:16]), abs=TOL
+    # Keras < 3.14 returns 0-d NumPy arrays here, newer Keras Python floats.
+    np.testing.assert_allclose(
+        stock.train_on_batch(x[:16], y[:16]),
+        enabled.train_on_batch(x[:16], y[:16]),
+        atol=TOL,
     )
     assert_weights_close(stock, enabled, TOL)

@@ -23,6 +23,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_tapeops import _compat
 from keras_tapeops import _keras_private as private
 
 
@@ -48,7 +49,7 @@ def check_batch_norm_layers(model, mode):
     if mode != "large_batch":
         return
     for layer in batch_norm_layers(model):
-        if layer.renorm:
+        if _compat.batch_norm_renorm(layer):
             raise ValueError(
                 "batch_norm_updates='large_batch' cannot merge the statistics "
                 f"of BatchNormalization layer {layer.name!r} because it uses "
