@@ -95,6 +95,16 @@ def test_block_16_selects_its_named_layers(mobilenet):
     assert len(selected("backbone/block_16*", mobilenet)) == 9
 
 
+@pytest.mark.parametrize("where, count", [
+    ("backbone/*", 156), ("backbone", 156), ("backbone/block_16*", 9),
+    ("backbone/block_16_project", 1), ("block_16_project", 1),
+    ("backbone/block_16_project/kernel", 1), ("*/kernel", 53), ("backbone/*_BN", 100),
+    ("head", 2), (["backbone/Conv_1", "head"], 3),
+])
+def test_the_counts_in_docs_transforms_md(mobilenet, where, count):
+    assert len(selected(where, mobilenet)) == count
+
+
 def test_head_and_exact_paths(mobilenet):
     head = mobilenet.get_layer("head")
     assert selected("head", mobilenet) == {id(head.kernel), id(head.bias)}
