@@ -158,9 +158,13 @@ def select(where, model, variables, tree=None):
     if any(mask):
         return mask
     trainable_ids = {id(v) for v in variables}
+    # Freezing a layer sets its variables' `trainable` to False too, so a
+    # frozen variable is one held by a layer with `trainable=False`.
+    frozen_layers = {path for path, layer in tree.entries if not layer.trainable}
     frozen = [
         v for v in model.weights
-        if v.trainable and id(v) not in trainable_ids and matches(v)
+        if id(v) not in trainable_ids and matches(v)
+        and any(p in frozen_layers for p in tree.owner_paths(v))
     ]
     if frozen:
         warnings.warn(
@@ -208,7 +212,27 @@ def _string_matcher(text, tree):
     if layers:
         ids = {id(v) for v in layers[0].weights}
         return lambda v: id(v) in ids
+    _check_one_variable(text, tree)
     return lambda v: text == v.path or text in tree.variable_paths(v)
+
+
+def _check_one_variable(text, tree):
+    """Raises if a variable path without wildcards names several variables.
+
+    Keras's `variable.path` leaves out nested functional models, so the
+    variables of two sub-models may share one (`"b1/kernel"` in `"tower_a"`
+    and in `"tower_b"`); like a shared bare layer name, that is an error.
+    """
+    found = {
+        id(v): tree.variable_paths(v) for v in tree.model.weights
+        if text == v.path or text in tree.variable_paths(v)
+    }
+    if len(found) > 1:
+        raise ValueError(
+            f"Several variables of model {tree.model.name!r} have the path "
+            f"{text!r} ({sorted(p for ps in found.values() for p in ps)}); give "
+            "the path from the outer model instead, or a glob to select them all"
+        )
 
 
 def _resolve_layer(where, model, tree):
