@@ -189,7 +189,10 @@ def _base_rate(optimizer):
     """
     rate = optimizer.get_config().get("learning_rate")
     if isinstance(rate, dict):
-        rate = keras.saving.deserialize_keras_object(rate)
+        try:
+            rate = keras.saving.deserialize_keras_object(rate)
+        except (TypeError, ValueError):  # e.g. a lambda, refused by safe mode
+            rate = f"<{rate.get('class_name')}>"
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return rate
     if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
