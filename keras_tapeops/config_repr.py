@@ -34,6 +34,18 @@ def _show(value):
         return f"<{type(value).__name__} name={value.name!r}>"
     if isinstance(value, tuple):
         return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, ConfigRepr):
+        return repr(value)
+    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(value) and not isinstance(value, type)
+        and not hasattr(value, "__name__") and hasattr(value, "get_config")
+    ):
+        # A schedule (or other serializable callable object): its class and
+        # config, not the default `<... object at 0x...>`.
+        arguments = ", ".join(
+            f"{key}={_show(item)}" for key, item in value.get_config().items()
+        )
+        return f"{type(value).__name__}({arguments})"
     if callable(value) and hasattr(value, "__name__"):
         return value.__name__
     return repr(value)

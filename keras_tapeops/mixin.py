@@ -122,6 +122,17 @@ class TapeOpsMixin:
             config.update(options.get_config(self))
         return config
 
+    def save(self, filepath, *args, **kwargs):
+        """Stock `save()`, refusing an unsaveable configuration first.
+
+        `get_compile_config` raises for an unregistered transform class or
+        callable; Keras calls it only after opening (and truncating) the
+        target file, so check before: a refused save leaves an existing
+        file intact.
+        """
+        self.get_compile_config()
+        return super().save(filepath, *args, **kwargs)
+
     def compile_from_config(self, config):
         config = dict(config)
         ours = {k: config.pop(k) for k in OPTION_NAMES if k in config}
