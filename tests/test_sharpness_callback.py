@@ -151,3 +151,30 @@ def test_argument_errors():
         Sharpness((x, y), seed=-1)
     with pytest.raises(ValueError, match="Received: tolerance=nan"):
         Sharpness((x, y), tolerance=float("nan"))
+
+
+def test_tensorboard_sees_it(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = _data()
+    _model().fit(x, y, epochs=1, verbose=0,
+                 callbacks=[Sharpness((x, y), iterations=3, seed=0),
+                            keras.callbacks.TensorBoard(str(tmp_path))])
+    events = EventAccumulator(str(tmp_path / "train"))
+    events.Reload()
+    assert "epoch_sharpness" in events.Tags()["tensors"]
+
+
+def test_mirrored_model_equals_single_device(mirrored):
+    """Under MirroredStrategy the callback measures on one device, whole batch."""
+    x, y = _data()
+    with mirrored.scope():
+        distributed = _model()
+    history = distributed.fit(
+        x, y, batch_size=8, epochs=1, verbose=0,
+        callbacks=[Sharpness((x, y), iterations=10, seed=0)],
+    ).history
+    single = _model()
+    single.set_weights(distributed.get_weights())
+    expected = top_hessian_eigenvalue(single, (x, y), iterations=10, seed=0)
+    assert history["sharpness"][0] == pytest.approx(expected, rel=1e-6)
