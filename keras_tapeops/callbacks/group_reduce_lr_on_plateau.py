@@ -117,6 +117,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
             )
         else:
             current = float(current)
+            self._maximize()  # in "auto" mode: raises for a metric of unknown direction
             if self.cooldown_counter > 0:
                 self.cooldown_counter -= 1
                 self.wait = 0
