@@ -154,16 +154,27 @@ def top_hessian_eigenvalue(model, data, iterations=20, seed=None, tolerance=1e-4
 
 # --- The traced product -------------------------------------------------------
 
-# model -> (the CompileLoss it was traced with, tf.function). The function
-# holds only a weak reference to the model, so the cache never keeps one alive.
+# model -> (what the trace baked in, tf.function). The function holds only a
+# weak reference to the model, so the cache never keeps one alive.
 _FUNCTIONS = weakref.WeakKeyDictionary()
 
 
 def _hvp_function(model):
-    """The model's cached `tf.function(x, y, sample_weight, vectors, training)`."""
-    compiled = _compiled_loss(model)
+    """The model's cached `tf.function(x, y, sample_weight, vectors, training)`.
+
+    A trace bakes in the compiled loss and the variable lists; a new
+    `compile()` or a change of `layer.trainable` gets a new function (a
+    tf.function would not retrace by itself when the new trainable variables
+    have the same shapes as the old ones).
+    """
+    key = (
+        _compiled_loss(model),
+        tuple(id(v) for v in model.trainable_variables),
+        tuple(id(v) for v in model.non_trainable_variables),
+        tuple(id(v) for v in model.metrics_variables),
+    )
     cached = _FUNCTIONS.get(model)
-    if cached is not None and cached[0] is compiled:
+    if cached is not None and _same_key(cached[0], key):
         return cached[1]
     ref = weakref.ref(model)
 
@@ -171,8 +182,12 @@ def _hvp_function(model):
         return _hvp(ref(), x, y, sample_weight, vectors, training)
 
     fn = tf.function(hvp, reduce_retracing=True)
-    _FUNCTIONS[model] = (compiled, fn)
+    _FUNCTIONS[model] = (key, fn)
     return fn
+
+
+def _same_key(a, b):
+    return a[0] is b[0] and a[1:] == b[1:]
 
 
 def _compiled_loss(model):

@@ -325,6 +325,23 @@ def test_traced_once_and_retraced_after_compile():
     )
 
 
+def test_trainable_change_with_the_same_shapes_is_not_served_by_the_old_trace():
+    x, y = _regression_data()
+    a, b = keras.layers.Dense(D, name="a"), keras.layers.Dense(D, name="b")
+    model = keras.Sequential([keras.Input((D,)), a, keras.layers.Activation("tanh"),
+                              b, keras.layers.Dense(1)])
+    a.trainable = False
+    model.compile(loss="mse")
+    v = [np.ones(tuple(w.shape), "float32") for w in model.trainable_variables]
+    before = _flat(hessian_vector_product(model, x, y, v))
+    a.trainable, b.trainable = True, False   # same shapes, other variables
+    after = _flat(hessian_vector_product(model, x, y, v))
+    _FUNCTIONS.pop(model)
+    fresh = _flat(hessian_vector_product(model, x, y, v))
+    np.testing.assert_array_equal(after, fresh)
+    assert _rel(after, before) > 1e-2
+
+
 def test_inside_a_custom_train_step():
     """v^T H v logged from a traced train_step equals the eager value."""
     x, y = _regression_data()
