@@ -431,3 +431,48 @@ def test_unfreezing_at_an_epoch_with_accumulation_and_mixed_float16(setup):
                        callbacks=[GradualUnfreezing([("backbone/*", 1)], unit="epoch")])
     assert_close(model.get_weights(), expected)
     assert int(sub_optimizers(model)["backbone"].iterations.numpy()) == 2
+
+
+# ------------------------------------------- changes needed outside this module
+@pytest.mark.xfail(
+    strict=True, raises=ValueError,
+    reason=(
+        "needs the lead's fix in keras_tapeops/selectors.py select(): a "
+        "selector whose variables exist but are all frozen (created trainable, "
+        "`trainable` False now, as GradualUnfreezing leaves them) must warn and "
+        "select nothing, not raise 'selects no trainable variable'; the mixin "
+        "rebinds transforms when the trainable set changes"
+    ),
+)
+def test_unfreezing_with_a_transform_on_the_frozen_group(setup):
+    x, y, w = setup["x"], setup["y"], setup["weights"]
+    expected, _, _, _ = run_oracle(w, x, y, unfreeze_at=3)
+    model = fit_groups(
+        w, x, y,
+        gradient_transforms=[kt.ClipByGlobalNorm(100.0, where="backbone/*")],
+        callbacks=[GradualUnfreezing([("backbone/*", 3)], unit="step")],
+    )
+    assert_close(model.get_weights(), expected)
+
+
+@pytest.mark.parametrize("argument", [{"clipnorm": 1.0}, {"gradient_accumulation_steps": 2}])
+@pytest.mark.xfail(
+    strict=True, raises=pytest.fail.Exception,  # "DID NOT RAISE"
+    reason=(
+        "needs the lead's fix in keras_tapeops/mixin.py "
+        "check_optimizer_conflicts(): look inside a MultiOptimizer "
+        "(`inner.optimizers`) for clipnorm/clipvalue/global_clipnorm and "
+        "gradient_accumulation_steps; today a sub-optimizer's own clipping "
+        "stacks silently on gradient_transforms"
+    ),
+)
+def test_a_sub_optimizer_clipping_or_accumulating_conflicts_at_compile(setup, argument):
+    model = make_net()
+    optimizer = optimizer_groups(model, [
+        ("backbone/*", keras.optimizers.Adam(LR_BACKBONE, name="backbone", **argument)),
+        ("head", keras.optimizers.Adam(LR_HEAD, name="head")),
+    ])
+    name = next(iter(argument))
+    with pytest.raises(ValueError, match=rf"Received: {name}="):
+        model.compile(optimizer=optimizer, loss="mse",
+                      gradient_transforms=[kt.ClipByGlobalNorm(CLIP)], accumulation_steps=2)
