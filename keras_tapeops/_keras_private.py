@@ -260,3 +260,12 @@ def _multi_worker_mean():
         yield
     finally:
         tf_trainer.reduce_per_replica = stock
+
+
+def compiled_loss(model):
+    """The loss object `compile()` built (`model._compile_loss`), or None.
+
+    Keras has no public handle on it. The traced Hessian-vector product
+    bakes it in, so a new `compile()` (a new object here) must retrace.
+    """
+    return getattr(model, "_compile_loss", None)

@@ -168,7 +168,7 @@ def _hvp_function(model):
     have the same shapes as the old ones).
     """
     key = (
-        _compiled_loss(model),
+        private.compiled_loss(model),
         tuple(id(v) for v in model.trainable_variables),
         tuple(id(v) for v in model.non_trainable_variables),
         tuple(id(v) for v in model.metrics_variables),
@@ -188,15 +188,6 @@ def _hvp_function(model):
 
 def _same_key(a, b):
     return a[0] is b[0] and a[1:] == b[1:]
-
-
-def _compiled_loss(model):
-    """The loss object `compile()` built (`model._compile_loss`).
-
-    Keras has no public handle on it; the traced product bakes it in, so a
-    new `compile()` (a new object here) must trigger a new trace.
-    """
-    return getattr(model, "_compile_loss", None)
 
 
 def _hvp(model, x, y, sample_weight, vectors, training):
