@@ -1,10 +1,44 @@
-"""`upgrade(model)`: the keras_tapeops-enabled twin of a Sequential or functional model."""
+"""`upgrade(model)`: the keras_tapeops-enabled version of an existing model.
+
+- A plain `keras.Sequential` or functional model (`keras.Model(inputs,
+  outputs)`) becomes a new `TapeOpsSequential` / `TapeOpsFunctional` built from
+  the same layers.
+- A model of a class that subclasses `keras.Model` or `keras.Sequential` but is
+  built the functional way (its `__init__` calls `super().__init__(inputs,
+  outputs)`, as every keras-hub Task does) keeps its class: it is re-classed in
+  place to `upgraded_class(type(model))`, a subclass of its own class with
+  `TapeOpsMixin` inserted where `class Net(kt.TapeOpsMixin, keras.Model)` would
+  put it (after the model's own classes, before Keras's). Nothing is rebuilt,
+  so its methods, attributes, preprocessor, compile state and optimizer state
+  are all kept.
+- A truly subclassed model (its own `call`) cannot be rebuilt: TypeError
+  saying to add the mixin to its bases.
+
+Saving: every upgraded class is registered under one name,
+`"keras_tapeops>UpgradedModel"`, whose registered object is a loader, and its
+`get_config()` records the original class (module, name, registered name).
+`keras.models.load_model` finds the loader, which resolves the original class
+the way Keras does (registered objects, then keras/keras-hub modules), builds
+the upgraded class if this process has not yet, and calls its `from_config`.
+So a fresh process needs only `import keras_tapeops` plus whatever stock Keras
+needs to load the original class.
+"""
+
+import importlib
+import weakref
 
 import keras
 
-from keras_tapeops import _keras_private as private
 from keras_tapeops.mixin import TapeOpsMixin
+from keras_tapeops.registration import PACKAGE
 from keras_tapeops.registration import register
+
+#: The `get_config()` key under which an upgraded model records its original class.
+BASE_CLASS_KEY = "keras_tapeops_upgraded_from"
+#: The registered name shared by every upgraded class (it resolves to the loader).
+UPGRADED_NAME = "UpgradedModel"
+# Packages whose modules Keras itself imports while loading (and we likewise).
+_IMPORTABLE_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp")
 
 
 @register
@@ -34,22 +68,41 @@ class TapeOpsFunctional(TapeOpsMixin, keras.Model):
 
 
 def upgrade(model):
-    """Returns a keras_tapeops-enabled model sharing `model`'s layers and weights.
+    """Returns a keras_tapeops-enabled model with `model`'s layers and weights.
 
     Args:
-        model: a `keras.Sequential` or functional `keras.Model`. A model that
-            already has the mixin is returned unchanged.
+        model: a `keras.Sequential`, a functional `keras.Model`, or a model
+            of a `keras.Model`/`keras.Sequential` subclass built the
+            functional way (its `__init__` calls `super().__init__(inputs,
+            outputs)`, like every keras-hub Task). A model that already has
+            the mixin is returned unchanged.
 
     Returns:
-        A `TapeOpsSequential` or `TapeOpsFunctional` with the same layers
-        (shared, not copied), weights, name, inputs and outputs. Compile it
-        as usual, adding any keras_tapeops options.
+        - for a plain Sequential or functional model: a new
+          `TapeOpsSequential` or `TapeOpsFunctional` with the same layers
+          (shared, not copied), weights, name, inputs and outputs; the
+          original model is left as it was and compile state is not carried
+          over (compile the returned model);
+        - for a subclass: the same object, re-classed in place to
+          `upgraded_class(type(model))`. It is still an instance of its
+          class, with `TapeOpsMixin` before Keras's classes in its MRO, and
+          keeps everything it had (attributes, preprocessor, overridden
+          hooks, compile and optimizer state). Compile it again to add
+          keras_tapeops options.
+
+    Raises:
+        TypeError: for a truly subclassed model (its own `call()`), saying to
+            put `kt.TapeOpsMixin` first in its bases, and for non-models.
 
     Example:
     ```python
     model = kt.upgrade(keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]))
     model.compile(optimizer="adam", loss="mse",
                   gradient_transforms=[kt.ClipByGlobalNorm(1.0)])
+
+    classifier = kt.upgrade(keras_hub.models.BertTextClassifier(...))
+    classifier.compile(optimizer="adam", micro_batches=2)
+    classifier.fit(raw_strings, labels)         # its preprocessor still runs
     ```
     """
     if isinstance(model, TapeOpsMixin):
@@ -59,21 +112,191 @@ def upgrade(model):
             "upgrade() takes a keras.Sequential or functional keras.Model. "
             f"Received: model={model!r} of type {type(model).__name__}"
         )
-    if isinstance(model, keras.Sequential):
-        new = _upgrade_sequential(model)
-    elif private.is_functional(model):
-        new = TapeOpsFunctional(
+    cls = type(model)
+    if cls is keras.Sequential:
+        return _upgrade_sequential(model)
+    if cls is _functional_class():
+        return TapeOpsFunctional(
             inputs=model.input, outputs=model.output, name=model.name,
             trainable=model.trainable,
         )
-    else:
+    if isinstance(model, (keras.Sequential, _functional_class())):
+        return _reclass(model, upgraded_class(cls))
+    bases = ", ".join(_base_name(base) for base in cls.__bases__)
+    raise TypeError(
+        "upgrade() cannot rebuild a subclassed model (one with its own "
+        "`call()`): put the mixin first in its bases instead: "
+        f"`class {cls.__name__}(kt.TapeOpsMixin, {bases}): ...`. "
+        "Models built the functional way (`super().__init__(inputs, "
+        f"outputs)`) are upgraded in place. Received: model of type {cls.__name__}"
+    )
+
+
+def upgraded_class(cls):
+    """Returns the keras_tapeops-enabled subclass of a model class (one per class).
+
+    The class is named `"TapeOps" + cls.__name__` and lists `cls`, then
+    `TapeOpsMixin`, then Keras's functional (or Sequential) class as bases,
+    so its MRO is `cls`'s own classes, `TapeOpsMixin`, then Keras's classes:
+    what `class Net(kt.TapeOpsMixin, keras.Model)` gives. Methods `cls`
+    defines (`train_step`, `compile`, `fit`, ...) run first and reach the
+    mixin through `super()`.
+
+    Args:
+        cls: a subclass of `keras.Model` built the functional way, or of
+            `keras.Sequential`.
+
+    Returns:
+        The upgraded class, registered for saving (see the module docstring).
+
+    Example:
+    ```python
+    Upgraded = upgraded_class(keras_hub.models.BertTextClassifier)
+    Upgraded.__mro__[1:3]   # (BertTextClassifier, TextClassifier) ... TapeOpsMixin
+    ```
+    """
+    if issubclass(cls, TapeOpsMixin):
+        return cls
+    upgraded = _UPGRADED_CLASSES.get(cls)
+    if upgraded is not None:
+        return upgraded
+    keras_base = keras.Sequential if issubclass(cls, keras.Sequential) else _functional_class()
+    name = f"TapeOps{cls.__name__}"
+    upgraded = type(
+        name,
+        (_UpgradedModel, cls, TapeOpsMixin, keras_base),
+        {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": (
+                f"`{cls.__module__}.{cls.__qualname__}` with the keras_tapeops "
+                "training step (made by `kt.upgrade`)."
+            ),
+            "_tapeops_base_class": cls,
+        },
+    )
+    # Serialize as "keras_tapeops>UpgradedModel" (this sets the class's name
+    # for serialization), then point that name back at the loader: Keras
+    # looks classes up only in its registry, which a fresh process has not
+    # filled with classes made at runtime.
+    keras.saving.register_keras_serializable(PACKAGE, UPGRADED_NAME)(upgraded)
+    keras.saving.register_keras_serializable(PACKAGE, UPGRADED_NAME)(_UpgradedModelLoader)
+    _UPGRADED_CLASSES[cls] = upgraded
+    return upgraded
+
+
+# Original class -> upgraded class; weak so a class defined in a test or a
+# notebook cell can go away.
+_UPGRADED_CLASSES = weakref.WeakKeyDictionary()
+
+
+class _UpgradedModel:
+    """First base of every upgraded class: records the original class in configs."""
+
+    _tapeops_base_class = None
+
+    def get_config(self):
+        config = dict(super().get_config())
+        config[BASE_CLASS_KEY] = _class_spec(self._tapeops_base_class)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config.pop(BASE_CLASS_KEY, None)
+        if custom_objects is None:
+            return super().from_config(config)
+        return super().from_config(config, custom_objects=custom_objects)
+
+
+class _UpgradedModelLoader:
+    """What `"keras_tapeops>UpgradedModel"` resolves to when Keras loads a model.
+
+    `from_config` finds the original class recorded in the config, builds
+    (or reuses) its upgraded class and lets that class rebuild the model.
+    """
+
+    def get_config(self):  # pragma: no cover - never instantiated
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        spec = config.get(BASE_CLASS_KEY)
+        if not isinstance(spec, dict):
+            raise ValueError(
+                "Cannot load an upgraded keras_tapeops model: its config does "
+                f"not record the original class under {BASE_CLASS_KEY!r}. "
+                f"Received: config keys {sorted(config)}"
+            )
+        return upgraded_class(_resolve_class(spec)).from_config(config)
+
+
+keras.saving.register_keras_serializable(PACKAGE, UPGRADED_NAME)(_UpgradedModelLoader)
+
+
+def _class_spec(cls):
+    return {
+        "module": cls.__module__,
+        "class_name": cls.__name__,
+        "registered_name": keras.saving.get_registered_name(cls),
+    }
+
+
+def _resolve_class(spec):
+    """The original class of an upgraded model, found as Keras finds classes.
+
+    Registered objects first (including `custom_objects` given to
+    `load_model`, active while Keras calls `from_config`), then, for the
+    keras packages only (as Keras does, for safety), the recorded module.
+    """
+    name = spec.get("registered_name")
+    cls = keras.saving.get_registered_object(name) if name else None
+    module = spec.get("module") or ""
+    if cls is None and module.split(".")[0] in _IMPORTABLE_PACKAGES:
+        try:
+            cls = vars(importlib.import_module(module)).get(spec.get("class_name"))
+        except ImportError:
+            cls = None
+    if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
         raise TypeError(
-            "upgrade() cannot rebuild a subclassed model. Put the mixin first "
-            f"in its bases instead: `class {type(model).__name__}"
-            "(kt.TapeOpsMixin, keras.Model): ...`. "
-            f"Received: model of type {type(model).__name__}"
+            "Cannot load an upgraded keras_tapeops model: its original class "
+            f"{spec.get('class_name')!r} (registered as {name!r}, module "
+            f"{module!r}) is not known in this process. Register the class "
+            "with @keras.saving.register_keras_serializable() and import it "
+            "before loading, or pass it in custom_objects. Received: "
+            f"{BASE_CLASS_KEY}={spec!r}"
         )
-    return new
+    return cls
+
+
+def _reclass(model, upgraded):
+    # `object.__setattr__`: Keras's `Layer.__setattr__` would try to track the
+    # class object. The functions traced for the old class's steps are
+    # dropped, so the next fit()/evaluate()/predict() traces the mixin's.
+    object.__setattr__(model, "__class__", upgraded)
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+    return model
+
+
+def _functional_class():
+    """Keras's functional model class (`keras.src.models.Functional`).
+
+    Keras exports no public name for it; a functional-built subclass has it
+    in its MRO, and the upgraded class must list it so that `TapeOpsMixin`
+    comes before it.
+    """
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def _base_name(base):
+    for public in (keras.Model, keras.Sequential):
+        if base is public:
+            return f"keras.{public.__name__}"
+    return base.__name__
 
 
 def _upgrade_sequential(model):
