@@ -1,0 +1,83 @@
+"""`LogUpdateRatio`: how far one optimizer step moved a group, relative to its size."""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import validation
+from keras_tapeops.registration import register
+from keras_tapeops.transforms.base import GradientTransform
+
+
+@register
+class LogUpdateRatio(GradientTransform):
+    """Logs `||applied update|| / ||weights||` of the selected group, per step.
+
+    After each optimizer step, with `W` the selected variables before the
+    step and `W'` after it (both taken as one flat vector over the group):
+
+        ratio = ||W' - W|| / ||W||
+
+    The update is what the optimizer actually applied (learning rate,
+    momentum, Adam's scaling and weight decay included), not the gradient.
+    The ratio is logged under `name` as the epoch's mean over optimizer
+    steps in History, the progress bar and TensorBoard. A common rule of
+    thumb is a ratio around 1e-3 per step; much larger values mean the
+    learning rate is too high for that group.
+
+    A skipped step (by `kt.SkipNonFinite`, or a mixed-precision overflow
+    the LossScaleOptimizer skips) applies no update and logs 0. A step where
+    the group's weights have norm 0 (or the ratio is not finite) is not
+    counted. With `accumulation_steps=k` one value is logged per applied
+    window, not per batch. The gradients pass through unchanged; the
+    position of this transform in the list does not matter.
+
+    Args:
+        where: selector of the group (None: all trainable variables).
+        name: the logged name.
+
+    Returns:
+        A transform for `compile(gradient_transforms=[...])`.
+
+    Example:
+    ```python
+    model.compile(optimizer="adam", loss="mse", gradient_transforms=[
+        kt.LogUpdateRatio(where="backbone/*", name="backbone_update"),
+        kt.LogUpdateRatio(where="head", name="head_update"),
+    ])
+    ```
+    """
+
+    needs_previous_values = True
+
+    def __init__(self, where=None, name="update_ratio"):
+        super().__init__(where=where)
+        self.name = validation.name(name, "name")
+
+    def bind(self, model, variables, tree=None):
+        state = super().bind(model, variables, tree)
+        state.add_metric(keras.metrics.Mean(name=self.name))
+        return state
+
+    def transform(self, grads, variables, state):
+        return list(grads)
+
+    def after_apply(self, variables, previous, state):
+        update, weights = [], []
+        for v, old in zip(variables, previous):
+            if old is None:  # not selected
+                continue
+            old = tf.cast(old, "float32")
+            new = tf.cast(tf.convert_to_tensor(v), "float32")
+            update.append(tf.reduce_sum(tf.square(new - old)))
+            weights.append(tf.reduce_sum(tf.square(old)))
+        if not update:
+            return None
+        ratio = tf.sqrt(tf.add_n(update)) / tf.sqrt(tf.add_n(weights))
+        counted = tf.math.is_finite(ratio)
+        state.metrics[self.name].update_state(
+            tf.where(counted, ratio, 0.0), sample_weight=tf.cast(counted, "float32")
+        )
+        return None
+
+    def get_config(self):
+        return {"name": self.name, **super().get_config()}
