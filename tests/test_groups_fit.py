@@ -427,6 +427,17 @@ def test_unfreezing_at_step_k_equals_a_loop_that_starts_the_group_at_k(setup, k)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
 
+def test_unfreezing_under_mirrored_strategy(setup, mirrored):
+    """Keras builds the optimizer before fit under a strategy (everything
+    trainable then); the freeze and the unfreeze re-bind it in scope."""
+    x, y, w = setup["x"], setup["y"], setup["weights"]
+    expected, _, _, _ = run_oracle(w, x, y, unfreeze_at=3)
+    model = fit_groups(w, x, y, strategy=mirrored,
+                       callbacks=[GradualUnfreezing([("backbone/*", 3)], unit="step")])
+    assert_close(model.get_weights(), expected)
+    assert int(sub_optimizers(model)["backbone"].iterations.numpy()) == STEPS - 3
+
+
 def test_unfreezing_at_an_epoch_with_accumulation_and_mixed_float16(setup):
     keras.config.set_dtype_policy("mixed_float16")
     x, y, w = setup["x"], setup["y"], setup["weights"]
