@@ -208,6 +208,23 @@ class _UpgradedModel:
             return super().from_config(config)
         return super().from_config(config, custom_objects=custom_objects)
 
+    def __reduce__(self):
+        # Keras pickles a model as its saved bytes plus a bound classmethod
+        # of its class, which pickle stores by name: a class made at runtime
+        # has none, so unpickle through a module-level function instead.
+        _, args = super().__reduce__()
+        return (_unpickle, args)
+
+
+def _unpickle(bytesio):
+    """Loads a pickled upgraded model (see `_UpgradedModel.__reduce__`).
+
+    `keras.Model._unpickle_model` is Keras's private unpickling entry point
+    (kept stable for old pickles); it does not depend on the class it is
+    called on.
+    """
+    return keras.Model._unpickle_model(bytesio)
+
 
 class _UpgradedModelLoader:
     """What `"keras_tapeops>UpgradedModel"` resolves to when Keras loads a model.

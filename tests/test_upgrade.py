@@ -375,3 +375,17 @@ def test_truly_subclassed_model_error_names_its_own_bases():
     assert "cannot rebuild a subclassed model (one with its own `call()`)" in message
     assert "`class Subclassed(kt.TapeOpsMixin, Base): ...`" in message
     assert "Received: model of type Subclassed" in message
+
+
+def test_upgraded_subclass_pickles():
+    import pickle
+
+    x, y = classification_data(n=16)
+    model = kt.upgrade(Classifier(units=4))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  gradient_transforms=[kt.ClipByNorm(1.0)])
+    model.fit(x, y, batch_size=8, verbose=0)
+    copy = pickle.loads(pickle.dumps(model))
+    assert type(copy) is type(model) and copy.units == 4
+    assert repr(copy.tapeops_options.gradient_transforms[0]) == repr(kt.ClipByNorm(1.0))
+    np.testing.assert_array_equal(copy.predict(x, verbose=0), model.predict(x, verbose=0))
