@@ -32,9 +32,6 @@ import numpy as np  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
 
-LogUpdateRatio = getattr(kt, "LogUpdateRatio", None)
-if LogUpdateRatio is None:  # until the package exports it as kt.LogUpdateRatio
-    from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
 
 GROUPS = ["block_1", "block_2", "head"]
 CLIP = 1.2
@@ -66,7 +63,7 @@ def transforms():
             kt.ClipByGlobalNorm(CLIP),
             kt.LogGradientNorm(name="clipped_norm"),
         ]
-        + [LogUpdateRatio(where=g, name=f"{g}_update") for g in GROUPS]
+        + [kt.LogUpdateRatio(where=g, name=f"{g}_update") for g in GROUPS]
     )
 
 

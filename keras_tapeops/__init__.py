@@ -27,12 +27,15 @@ from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
+from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
+from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
 from keras_tapeops.transforms.finite import SkipNonFinite  # noqa: E402
 from keras_tapeops.transforms.observe import LogGradientNorm  # noqa: E402
+from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
@@ -49,8 +52,11 @@ __all__ = [
     "ClipByGlobalNorm",
     "ClipByNorm",
     "ClipByValue",
+    "AdaptiveClip",
+    "CentralizeGradients",
     "GradientTransform",
     "LogGradientNorm",
+    "LogUpdateRatio",
     "SkipNonFinite",
     # Loss terms (compile(loss_terms=[...])).
     "ActivationPenalty",

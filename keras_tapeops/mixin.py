@@ -172,6 +172,11 @@ class TapeOpsMixin:
             for term in options.loss_terms:
                 if not term.in_validation:
                     results.pop(term.name, None)
+            # Transform metrics (gradient norms, skipped steps, update
+            # ratios) exist only where an optimizer step runs.
+            for _, transform_state in self.tapeops_state.transforms or []:
+                for name in transform_state.metrics:
+                    results.pop(name, None)
         return results
 
     def evaluate(self, *args, **kwargs):

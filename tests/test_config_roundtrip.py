@@ -49,6 +49,7 @@ CONFIG_CLASSES = [
     kt.ActivationPenalty, kt.LossTerm, kt.GradientPenalty, kt.ClipByValue,
     kt.ClipByNorm, kt.ClipByGlobalNorm, kt.WGANGP, kt.TapeOpsSequential,
     kt.TapeOpsFunctional, kt.SkipNonFinite, kt.LogGradientNorm, kt.SAM,
+    kt.AdaptiveClip, kt.CentralizeGradients, kt.LogUpdateRatio,
 ]
 
 

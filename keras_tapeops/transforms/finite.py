@@ -67,9 +67,14 @@ class SkipNonFinite(GradientTransform):
         ]
         finite = tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
         skipped = 1.0 - tf.cast(finite, tf.float32)
-        # Each replica counts the (shared) decision; Keras averages the
-        # replicas' logged results, so the count is not multiplied.
-        state.metrics[self.name].update_state(skipped)
+        # Every replica takes the same decision, and a metric's variables are
+        # summed over replicas: only the first replica counts the step.
+        context = tf.distribute.get_replica_context()
+        counted = skipped
+        if context is not None and context.num_replicas_in_sync > 1:
+            first = tf.equal(context.replica_id_in_sync_group, 0)
+            counted = skipped * tf.cast(first, tf.float32)
+        state.metrics[self.name].update_state(counted)
         counter = state.variables["consecutive_skips"]
         in_a_row = (counter + skipped) * skipped  # reset by a finite step
         counter.assign(in_a_row)
