@@ -130,13 +130,17 @@ def _wait(processes, timeout):
         return 130
 
 
-def _stop(processes):
+def _stop(processes, grace=3.0):
+    # TensorFlow's multi-worker runtime installs a SIGTERM handler (its
+    # preemption notifier), so a worker usually outlives terminate(): give
+    # them all `grace` seconds together, then kill the rest.
     for p in processes:
         if p.poll() is None:
             p.terminate()
+    deadline = time.monotonic() + grace
     for p in processes:
         try:
-            p.wait(timeout=10)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

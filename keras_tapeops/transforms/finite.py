@@ -56,7 +56,7 @@ class SkipNonFinite(GradientTransform):
     def bind(self, model, variables, tree=None):
         state = super().bind(model, variables, tree)
         state.add_variable("consecutive_skips", 0.0)
-        state.add_metric(keras.metrics.Sum(name=self.name))
+        state.add_metric(ReplicaAgreedCount(name=self.name))
         return state
 
     def keep_step(self, grads, variables, state):
@@ -67,14 +67,9 @@ class SkipNonFinite(GradientTransform):
         ]
         finite = tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
         skipped = 1.0 - tf.cast(finite, tf.float32)
-        # Every replica takes the same decision, and a metric's variables are
-        # summed over replicas: only the first replica counts the step.
-        context = tf.distribute.get_replica_context()
-        counted = skipped
-        if context is not None and context.num_replicas_in_sync > 1:
-            first = tf.equal(context.replica_id_in_sync_group, 0)
-            counted = skipped * tf.cast(first, tf.float32)
-        state.metrics[self.name].update_state(counted)
+        # Every replica takes the same decision and counts it; the count
+        # averages its replicas (see ReplicaAgreedCount).
+        state.metrics[self.name].update_state(skipped)
         counter = state.variables["consecutive_skips"]
         in_a_row = (counter + skipped) * skipped  # reset by a finite step
         counter.assign(in_a_row)
@@ -100,6 +95,41 @@ class SkipNonFinite(GradientTransform):
             "name": self.name,
             **super().get_config(),
         }
+
+
+class ReplicaAgreedCount(keras.metrics.Metric):
+    """A running sum of a value every replica computes alike (a shared decision).
+
+    `keras.metrics.Sum` sums its variable over replicas where Keras reads it
+    in cross-replica context (the epoch's History), and its per-batch logs
+    average the replicas' results: counting on every replica logs N times
+    the count in History, counting on one replica logs 1/N of it per batch.
+    This variable averages its replicas (`aggregation="mean"`), so both read
+    the count.
+
+    Args:
+        name: the logged name.
+
+    Example:
+    ```python
+    count = ReplicaAgreedCount(name="skipped_steps"); count.update_state(1.0)
+    ```
+    """
+
+    def __init__(self, name="count", dtype=None):
+        super().__init__(name=name, dtype=dtype)
+        self.total = self.add_variable(
+            shape=(), initializer="zeros", name="total", aggregation="mean"
+        )
+
+    def update_state(self, value):
+        self.total.assign_add(tf.cast(value, self.total.dtype))
+
+    def result(self):
+        return tf.identity(self.total)
+
+    def reset_state(self):
+        self.total.assign(0.0)
 
 
 def _values(grad):
