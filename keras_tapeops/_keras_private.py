@@ -54,10 +54,7 @@ def optimizer_all_reduce_disabled(optimizer):
     on the same optimizer, and they leave it in any order after the
     optimizer's merge_call; the patch stays until the last one leaves.
     """
-    targets = [optimizer]
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:
-        targets.append(inner)
+    targets = sub_optimizers(optimizer)
     with _PATCH_LOCK:
         for target in targets:
             depth = _PATCH_DEPTH.get(id(target), 0)
@@ -269,3 +266,47 @@ def compiled_loss(model):
     bakes it in, so a new `compile()` (a new object here) must retrace.
     """
     return getattr(model, "_compile_loss", None)
+
+
+def sub_optimizers(optimizer):
+    """`optimizer` and every optimizer it delegates to, outermost first.
+
+    A `LossScaleOptimizer` wraps one (`inner_optimizer`, public); a Keras 3.15
+    `MultiOptimizer` holds one per group (`optimizers`, public). Each of them
+    would all-reduce or clip the gradients it receives.
+    """
+    found = [optimizer]
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        found += sub_optimizers(inner)
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None and isinstance(optimizer, multi):
+        for sub in optimizer.optimizers:
+            found += sub_optimizers(sub)
+    return found
+
+
+def trainable_capable_variables(model):
+    """Every variable of `model` created trainable, frozen now or not.
+
+    A layer frozen with `layer.trainable = False` sets its variables'
+    `trainable` to False, so the public flags cannot tell a frozen kernel from
+    a moving mean. Keras keeps the variables a layer created as trainable in
+    the private store `layer._trainable_variables` (its own `trainable`
+    setter walks it). Used by selectors (a rule on frozen layers warns) and
+    optimizer groups (frozen groups are mapped too).
+
+    Returns:
+        The variables in `model.weights` order.
+    """
+    capable = set()
+    for layer in [model] + all_layers(model):
+        for variable in getattr(layer, "_trainable_variables", []):
+            capable.add(id(variable))
+    seen = set()
+    out = []
+    for variable in model.weights:
+        if id(variable) in capable and id(variable) not in seen:
+            seen.add(id(variable))
+            out.append(variable)
+    return out

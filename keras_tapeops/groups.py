@@ -212,27 +212,9 @@ def check_sub_optimizer(optimizer, name):
 def trainable_capable_variables(model):
     """Every variable of `model` created trainable, frozen now or not.
 
-    A layer frozen with `layer.trainable = False` sets its variables'
-    `trainable` to False, so the public flags cannot tell a frozen kernel
-    from a moving mean. Keras keeps the variables a layer created as
-    trainable in the private list `layer._trainable_variables` (the layer's
-    own `trainable` setter walks it); this is the one private name this
-    module reads. (Candidate for `keras_tapeops._keras_private`.)
-
-    Returns:
-        The variables in `model.weights` order.
+    See `keras_tapeops._keras_private.trainable_capable_variables`.
     """
-    capable = set()
-    for layer in [model] + private.all_layers(model):
-        for variable in getattr(layer, "_trainable_variables", []):
-            capable.add(id(variable))
-    seen = set()
-    out = []
-    for variable in model.weights:
-        if id(variable) in capable and id(variable) not in seen:
-            seen.add(id(variable))
-            out.append(variable)
-    return out
+    return private.trainable_capable_variables(model)
 
 
 def build_multi_optimizer(model, assignment, default):

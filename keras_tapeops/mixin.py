@@ -599,7 +599,11 @@ def check_optimizer_conflicts(optimizer, options):
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    for inner in private.sub_optimizers(optimizer):  # groups of a MultiOptimizer too
+        _check_one_optimizer(inner, options)
+
+
+def _check_one_optimizer(inner, options):
     if options.gradient_transforms:
         for name in _OPTIMIZER_CLIPPING:
             value = getattr(inner, name, None)

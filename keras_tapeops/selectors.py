@@ -33,6 +33,7 @@ import warnings
 
 import keras
 
+from keras_tapeops import _keras_private as private
 from keras_tapeops import paths
 
 
@@ -158,13 +159,11 @@ def select(where, model, variables, tree=None):
     if any(mask):
         return mask
     trainable_ids = {id(v) for v in variables}
-    # Freezing a layer sets its variables' `trainable` to False too, so a
-    # frozen variable is one held by a layer with `trainable=False`.
-    frozen_layers = {path for path, layer in tree.entries if not layer.trainable}
+    # Frozen: created trainable, not trainable now (a layer with
+    # trainable=False, or a variable whose own flag was turned off).
     frozen = [
-        v for v in model.weights
+        v for v in private.trainable_capable_variables(model)
         if id(v) not in trainable_ids and matches(v)
-        and any(p in frozen_layers for p in tree.owner_paths(v))
     ]
     if frozen:
         warnings.warn(

@@ -286,17 +286,6 @@ def test_mirrored_two_replicas_equal_single_device(setup, mirrored):
     assert_close(model.get_weights(), expected)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason=(
-        "needs the lead's fix in keras_tapeops/_keras_private.py "
-        "optimizer_all_reduce_disabled: also patch a MultiOptimizer's "
-        "sub-optimizers (`optimizer.optimizers`); today each sub-optimizer "
-        "all-reduces the already summed gradient again, so with 2 replicas "
-        "the step uses twice the gradient: 2.6e-5 from the oracle here (Adam "
-        "is nearly scale-invariant; with two SGD groups it is 1.2e-1)"
-    ),
-)
 def test_mirrored_two_replicas_with_transforms_equal_single_device(setup, mirrored):
     x, y, w = setup["x"], setup["y"], setup["weights"]
     expected, clipped, steps, _ = run_oracle(w, x, y, clip=CLIP)
@@ -453,16 +442,6 @@ def test_unfreezing_at_an_epoch_with_accumulation_and_mixed_float16(setup):
 
 
 # ------------------------------------------- changes needed outside this module
-@pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason=(
-        "needs the lead's fix in keras_tapeops/selectors.py select(): a "
-        "selector whose variables exist but are all frozen (created trainable, "
-        "`trainable` False now, as GradualUnfreezing leaves them) must warn and "
-        "select nothing, not raise 'selects no trainable variable'; the mixin "
-        "rebinds transforms when the trainable set changes"
-    ),
-)
 def test_unfreezing_with_a_transform_on_the_frozen_group(setup):
     x, y, w = setup["x"], setup["y"], setup["weights"]
     expected, _, _, _ = run_oracle(w, x, y, unfreeze_at=3)
@@ -475,16 +454,6 @@ def test_unfreezing_with_a_transform_on_the_frozen_group(setup):
 
 
 @pytest.mark.parametrize("argument", [{"clipnorm": 1.0}, {"gradient_accumulation_steps": 2}])
-@pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception,  # "DID NOT RAISE"
-    reason=(
-        "needs the lead's fix in keras_tapeops/mixin.py "
-        "check_optimizer_conflicts(): look inside a MultiOptimizer "
-        "(`inner.optimizers`) for clipnorm/clipvalue/global_clipnorm and "
-        "gradient_accumulation_steps; today a sub-optimizer's own clipping "
-        "stacks silently on gradient_transforms"
-    ),
-)
 def test_a_sub_optimizer_clipping_or_accumulating_conflicts_at_compile(setup, argument):
     model = make_net()
     optimizer = optimizer_groups(model, [
