@@ -17,6 +17,8 @@ require_tensorflow_backend()
 from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
 from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
 from keras_tapeops.gan import WGANGP  # noqa: E402
+from keras_tapeops.groups import optimizer_groups  # noqa: E402
+from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
 from keras_tapeops.penalty import gradient_penalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
@@ -64,6 +66,9 @@ __all__ = [
     "LossTerm",
     "Term",
     "TermContext",
+    # Optimizers per layer group (stock keras.optimizers.MultiOptimizer).
+    "layerwise_lr_decay",
+    "optimizer_groups",
     # Sharpness-aware minimization (compile(sharpness_aware=...)) and curvature.
     "SAM",
     "callbacks",
