@@ -333,7 +333,6 @@ def test_unfreezing_bad_arguments(kwargs, error, message):
 
 
 def test_unfreezing_config_round_trip():
-    model = make_net()
     callback = GradualUnfreezing(
         [("backbone/b1", 2), (["head"], 1), (LayerPath("backbone/b2"), 3)], unit="step", verbose=1)
     config = keras.saving.serialize_keras_object(callback)
@@ -342,4 +341,3 @@ def test_unfreezing_config_round_trip():
     assert restored.schedule == [("backbone/b1", 2), (("head",), 1), (LayerPath("backbone/b2"), 3)]
     assert restored.unit == "step" and restored.verbose == 1
     assert restored.get_config() == callback.get_config()
-    del model
