@@ -26,10 +26,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
-from keras_tapeops.callbacks.gradual_unfreezing import GradualUnfreezing  # noqa: E402
-from keras_tapeops.callbacks.group_learning_rate import GroupLearningRateScheduler  # noqa: E402
-from keras_tapeops.groups import optimizer_groups  # noqa: E402
-from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
 
 
 def make_data(n=1024, features=16, classes=4, seed=0):
@@ -71,7 +67,7 @@ def main():
 
     # 1. One optimizer per group.
     model = make_model(backbone)
-    optimizer = optimizer_groups(model, [
+    optimizer = kt.optimizer_groups(model, [
         ("backbone/*", keras.optimizers.Adam(1e-4, name="backbone")),
         ("head", keras.optimizers.Adam(1e-2, name="head")),
     ])
@@ -81,8 +77,8 @@ def main():
 
     # 2 + 3. Backbone frozen for epoch 0; head rate halves every epoch.
     history = model.fit(x, y, epochs=3, batch_size=64, verbose=0, callbacks=[
-        GradualUnfreezing([("backbone/*", 1)], verbose=1),
-        GroupLearningRateScheduler({"head": head_decay}, log=True),
+        kt.callbacks.GradualUnfreezing([("backbone/*", 1)], verbose=1),
+        kt.callbacks.GroupLearningRateScheduler({"head": head_decay}, log=True),
     ])
     for epoch in range(3):
         print(f"epoch {epoch}: lr/backbone={history.history['lr/backbone'][epoch]:.0e} "
@@ -105,7 +101,7 @@ def main():
 
     # 5. Layer-wise decay: head at the base rate, each block below 0.5x.
     decayed = make_model(make_backbone())
-    optimizer = layerwise_lr_decay(
+    optimizer = kt.layerwise_lr_decay(
         decayed, keras.optimizers.AdamW(1e-3, name="lw"), decay=0.5,
         layers=["backbone/block_1", "backbone/block_2", "backbone/block_3", "head"],
     )
