@@ -45,6 +45,7 @@ def test_wgan_gp_example_moves_samples_onto_the_ring(tmp_path):
 @pytest.mark.parametrize("name, expected", [
     ("per_layer_clipping.py", "restored transforms:"),
     ("multi_loss.py", "terms after load:"),
+    ("per_group_learning_rates.py", "same optimizer state: True"),
 ])
 def test_other_examples_run_to_the_end(tmp_path, name, expected):
     assert expected in run_example(name, tmp_path)
