@@ -102,22 +102,16 @@ def optimizer_groups(model, groups, default=None):
     if default is not None:
         check_sub_optimizer(default, "default")
     variables = trainable_capable_variables(model)
-    owner = {}  # id(variable) -> group index
-    for i, (where, _) in enumerate(groups):
-        mask = selectors.select(where, model, variables)
-        for variable, selected in zip(variables, mask):
-            if not selected:
-                continue
-            if id(variable) in owner:
-                j = owner[id(variable)]
-                raise ValueError(
-                    f"Variable {variable.path!r} is selected by two groups: "
-                    f"groups[{j}] (where={selectors.describe(groups[j][0])}) and "
-                    f"groups[{i}] (where={selectors.describe(where)}). Each "
-                    "variable must belong to one group. "
-                    f"Received: groups={describe_groups(groups)}"
-                )
-            owner[id(variable)] = i
+    owner = exclusive_owners(
+        model, variables, [where for where, _ in groups],
+        lambda variable, j, i: (
+            f"Variable {variable.path!r} is selected by two groups: "
+            f"groups[{j}] (where={selectors.describe(groups[j][0])}) and "
+            f"groups[{i}] (where={selectors.describe(groups[i][0])}). Each "
+            "variable must belong to one group. "
+            f"Received: groups={describe_groups(groups)}"
+        ),
+    )
     unassigned = [v for v in variables if id(v) not in owner]
     if unassigned and default is None:
         raise ValueError(
@@ -207,6 +201,34 @@ def check_sub_optimizer(optimizer, name):
             f"`{name}` is already built (it holds state for other variables). "
             f"Pass a new optimizer. Received: {name}={optimizer.name!r}"
         )
+
+
+def exclusive_owners(model, variables, wheres, overlap_message):
+    """Maps `id(variable)` to the index of the one selector in `wheres` selecting it.
+
+    Args:
+        model: the model the selectors resolve against.
+        variables: the candidate variables.
+        wheres: validated selectors (groups, or blocks).
+        overlap_message: `(variable, j, i) -> str`, the message when
+            selectors `j` and `i` both select `variable`.
+
+    Returns:
+        A dict; variables no selector selects are absent.
+
+    Raises:
+        ValueError: for a variable selected twice (before anything changes).
+    """
+    owner = {}
+    for i, where in enumerate(wheres):
+        mask = selectors.select(where, model, variables)
+        for variable, selected in zip(variables, mask):
+            if not selected:
+                continue
+            if id(variable) in owner:
+                raise ValueError(overlap_message(variable, owner[id(variable)], i))
+            owner[id(variable)] = i
+    return owner
 
 
 def trainable_capable_variables(model):
@@ -331,10 +353,7 @@ def _check_groups(groups):
                 f"{i} is not a pair. Received: groups[{i}]={pair!r}"
             )
         where, optimizer = pair
-        try:
-            where = selectors.validate_selector(where)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"groups[{i}]: {error}") from None
+        where = selectors.validate_listed_selector(where, f"groups[{i}]")
         if where is None:
             raise ValueError(
                 f"groups[{i}] has where=None (every variable); a group must "

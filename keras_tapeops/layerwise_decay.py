@@ -98,27 +98,21 @@ def layerwise_lr_decay(model, base_optimizer, decay, layers, rest="lowest"):
     rest_multiplier = decay**n if rest == "lowest" else rest
 
     variables = groups_module.trainable_capable_variables(model)
-    block_of = {}
+    blocks = []
     for i, where in enumerate(layers):
-        try:
-            where = selectors.validate_selector(where)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"layers[{i}]: {error}") from None
+        where = selectors.validate_listed_selector(where, f"layers[{i}]")
         if where is None:
             raise ValueError(f"layers[{i}] is None; each block must be a selector. Received: layers={layers!r}")
-        mask = selectors.select(where, model, variables)
-        for variable, selected in zip(variables, mask):
-            if not selected:
-                continue
-            if id(variable) in block_of:
-                j = block_of[id(variable)]
-                raise ValueError(
-                    f"Variable {variable.path!r} is in two blocks: layers[{j}] "
-                    f"({selectors.describe(layers[j])}) and layers[{i}] "
-                    f"({selectors.describe(where)}). Blocks must not overlap. "
-                    f"Received: layers={layers!r}"
-                )
-            block_of[id(variable)] = i
+        blocks.append(where)
+    block_of = groups_module.exclusive_owners(
+        model, variables, blocks,
+        lambda variable, j, i: (
+            f"Variable {variable.path!r} is in two blocks: layers[{j}] "
+            f"({selectors.describe(layers[j])}) and layers[{i}] "
+            f"({selectors.describe(blocks[i])}). Blocks must not overlap. "
+            f"Received: layers={layers!r}"
+        ),
+    )
     unassigned = [v for v in variables if id(v) not in block_of]
     if unassigned and rest == "error":
         raise ValueError(

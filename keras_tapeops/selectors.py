@@ -124,6 +124,27 @@ def validate_selector(where):
     )
 
 
+def validate_listed_selector(where, label):
+    """`validate_selector(where)` for one item of a list argument.
+
+    Args:
+        where: the item's selector.
+        label: the item, as messages name it (e.g. `"groups[2]"`).
+
+    Returns:
+        The validated selector. Errors keep their type and start with `label`.
+
+    Example:
+    ```python
+    validate_listed_selector("head", "layers[0]")
+    ```
+    """
+    try:
+        return validate_selector(where)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{label}: {error}") from None
+
+
 def select(where, model, variables, tree=None):
     """Resolves `where` against `model`: which of `variables` it selects.
 

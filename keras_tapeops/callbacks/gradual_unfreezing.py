@@ -260,10 +260,7 @@ def _check_schedule(schedule):
                 f"{i} is not a pair. Received: schedule[{i}]={pair!r}"
             )
         where, at = pair
-        try:
-            where = selectors.validate_selector(where)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"schedule[{i}]: {error}") from None
+        where = selectors.validate_listed_selector(where, f"schedule[{i}]")
         if where is None:
             raise ValueError(
                 f"schedule[{i}] has where=None (the whole model); name the part "
