@@ -31,7 +31,7 @@ from keras_tapeops import true_gradients
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.registration import register
-from keras_tapeops.accumulation.batch_norm import batch_norm_layers
+from keras_tapeops.accumulation.batch_norm import moving_statistics
 from keras_tapeops.transforms.clipping import squared_norm
 
 
@@ -150,11 +150,7 @@ def sharpness_aware_gradients(model, sam, selection, gradient_pass):
     for v, e in zip(variables, perturbation):
         if e is not None:
             v.assign_add(e)
-    statistics = [
-        (m, tf.identity(tf.convert_to_tensor(m)))
-        for layer in batch_norm_layers(model)
-        for m in (layer.moving_mean, layer.moving_variance)
-    ]
+    statistics = moving_statistics(model)
     with model.tapeops_unlogged():
         grads, _ = gradient_pass()
     # Automatic control dependencies order these writes after the second

@@ -10,7 +10,7 @@ statistics that the forward pass already updated are put back.
 
 import tensorflow as tf
 
-from keras_tapeops.accumulation.batch_norm import batch_norm_layers
+from keras_tapeops.accumulation.batch_norm import moving_statistics
 
 
 def keep_step_function(bound):
@@ -73,11 +73,7 @@ def batch_norm_snapshot(model, state):
     """
     if state is None or not state.gates or state.accumulator is not None:
         return []
-    return [
-        (v, tf.identity(tf.convert_to_tensor(v)))
-        for layer in batch_norm_layers(model)
-        for v in (layer.moving_mean, layer.moving_variance)
-    ]
+    return moving_statistics(model)
 
 
 def restore_unless(keep, snapshot):

@@ -36,6 +36,19 @@ def batch_norm_layers(model):
     ]
 
 
+def moving_statistics(model):
+    """`(variable, value now)` for every moving statistic of `model`'s BatchNorm layers.
+
+    Read before a pass whose statistics updates may have to be undone (a
+    skipped step, SAM's second pass); `variable.assign(value)` restores one.
+    """
+    return [
+        (v, _read(v))
+        for layer in batch_norm_layers(model)
+        for v in _moving(layer)
+    ]
+
+
 def check_batch_norm_layers(model, mode):
     """Raises if `mode` cannot be honoured for a layer of `model`.
 
