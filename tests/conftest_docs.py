@@ -1,0 +1,93 @@
+"""Finds and runs the ```python blocks of the documentation (issue 23).
+
+One extractor serves README.md, docs/*.md (tests/test_docs_blocks.py) and the
+`Example:` sections of the public API's docstrings
+(tests/test_docstring_examples.py). It follows pytest-markdown-docs' fence
+options, so a page runs the same under that plugin and under the suite:
+
+- ```python (also `py`, `python3`): a test; it runs in a fresh namespace.
+- ```python continuation: runs after the blocks before it on the same page
+  (the chain is executed again, as pytest-markdown-docs does), so a page may
+  define its model and data once.
+- ```python notest: shown, not run; the page says why next to it.
+
+Blocks run with the current directory set to a fresh temporary directory, so
+a block that saves `model.keras` or writes a PNG leaves nothing behind.
+"""
+
+import dataclasses
+import os
+import pathlib
+
+from markdown_it import MarkdownIt
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PYTHON_LANGUAGES = ("python", "py", "python3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One runnable ```python block.
+
+    `code` is the block with the chain of `continuation` blocks before it,
+    padded with blank lines so a traceback names the block's own line in
+    `origin` (a file path).
+    """
+
+    origin: str
+    line: int
+    code: str
+
+    @property
+    def id(self):
+        return f"{pathlib.Path(self.origin).name}:{self.line}"
+
+
+def documentation_pages():
+    """README.md and every docs/*.md, found anew at each collection."""
+    return [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+
+
+def fences(text):
+    """(info words, first code line index, code) of every fence in `text`."""
+    for token in MarkdownIt("commonmark").parse(text):
+        if token.type == "fence" and token.map:
+            yield token.info.split(), token.map[0] + 1, token.content
+
+
+def python_blocks(text, origin, line_offset=0):
+    """Returns (runnable blocks, number of ```python blocks marked notest).
+
+    Args:
+        text: Markdown (a page, or a docstring's text).
+        origin: the file the text comes from, named in tracebacks.
+        line_offset: the file line of `text`'s first line, minus one.
+    """
+    blocks, skipped, previous = [], 0, ""
+    for info, start, code in fences(text):
+        if not info or info[0] not in PYTHON_LANGUAGES:
+            continue
+        options = set(info[1:])
+        if "notest" in options:
+            skipped += 1
+            continue
+        if "continuation" not in options:
+            previous = ""
+        line = line_offset + start + 1  # the block's first code line, 1-based
+        padding = "\n" * (line - 1 - previous.count("\n"))
+        chained = previous + padding + code
+        blocks.append(Block(str(origin), line, chained))
+        previous = chained
+    return blocks, skipped
+
+
+def run_block(block, directory):
+    """Executes `block` as a script whose current directory is `directory`."""
+    namespace = {"__name__": "__main__", "__file__": block.origin}
+    here = os.getcwd()
+    os.chdir(directory)
+    try:
+        exec(compile(block.code, block.origin, "exec"), namespace)  # noqa: S102
+    finally:
+        os.chdir(here)
+    return namespace

@@ -1,0 +1,51 @@
+"""Every ```python block of README.md and docs/*.md runs as written (issue 23).
+
+The pages are found when the tests are collected, so a new docs/*.md is
+executed without editing this file. A changed API breaks a test here, not only
+the documentation. Fence options are pytest-markdown-docs' (see
+tests/conftest_docs.py); the same pages also run under that plugin:
+`pytest --markdown-docs README.md docs`.
+"""
+
+import pytest
+
+from conftest_docs import documentation_pages
+from conftest_docs import python_blocks
+from conftest_docs import run_block
+
+PAGES = documentation_pages()
+BLOCKS = []
+SKIPPED = {}
+for _page in PAGES:
+    _blocks, SKIPPED[_page.name] = python_blocks(_page.read_text("utf-8"), _page)
+    BLOCKS.extend(_blocks)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_block_runs(block, tmp_path):
+    run_block(block, tmp_path)
+
+
+def test_at_least_90_percent_of_the_blocks_run():
+    skipped = sum(SKIPPED.values())
+    assert len(BLOCKS) >= 0.9 * (len(BLOCKS) + skipped), SKIPPED
+
+
+def test_every_notest_block_says_why():
+    # A block kept out of the run is named `notest` and the page explains it
+    # in the paragraph just before ("cannot run here: ...").
+    for page in PAGES:
+        lines = page.read_text("utf-8").splitlines()
+        for i, line in enumerate(lines):
+            words = line.strip().lstrip("`").split()
+            if line.strip().startswith("```") and "notest" in words[1:]:
+                before = " ".join(lines[max(0, i - 4):i]).lower()
+                assert "not run" in before or "cannot run" in before, (
+                    f"{page.name}:{i + 1}: say why this block is not run"
+                )
+
+
+def test_pages_are_found():
+    names = {p.name for p in PAGES}
+    assert {"README.md", "accumulation.md", "upgrade.md"} <= names
+    assert len(BLOCKS) >= 30
