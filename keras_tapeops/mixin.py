@@ -66,6 +66,9 @@ class TapeOpsMixin:
         accumulation_steps=1,
         batch_norm_updates="large_batch",
         sharpness_aware=None,
+        task_balancing=None,
+        differential_privacy=None,
+        sample_selection=None,
         **kwargs,
     ):
         """Stock `compile()` plus the keras_tapeops options.
@@ -81,6 +84,11 @@ class TapeOpsMixin:
                 BatchNormalization moving statistics follow `micro_batches`.
             sharpness_aware: None or a `kt.SAM`: sharpness-aware
                 minimization (two forward/backward passes per step).
+            task_balancing: None or a multi-task aggregator or loss
+                weighting (e.g. `kt.PCGrad(shared="trunk/*")`).
+            differential_privacy: None or a `kt.DPSGD`.
+            sample_selection: None or a loss-based selection (e.g.
+                `kt.TopLoss(fraction=0.25)`).
 
         Returns:
             None. Raises before changing anything if an option is invalid.
@@ -92,6 +100,9 @@ class TapeOpsMixin:
             accumulation_steps=accumulation_steps,
             batch_norm_updates=batch_norm_updates,
             sharpness_aware=sharpness_aware,
+            task_balancing=task_balancing,
+            differential_privacy=differential_privacy,
+            sample_selection=sample_selection,
         )
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         check_optimizer_conflicts(optimizer, options)
@@ -110,7 +121,7 @@ class TapeOpsMixin:
     def _own_transform_variables(self):
         """Tracks the bound transforms' variables as the model's own (saved)."""
         state = self.tapeops_state
-        wanted = state.transform_variables if state is not None else []
+        wanted = state.training_state_variables if state is not None else []
         current = self.__dict__.get("_tapeops_transform_variables") or []
         if [id(v) for v in current] != [id(v) for v in wanted]:
             private.set_owned_variables(self, "_tapeops_transform_variables", wanted)
@@ -172,11 +183,10 @@ class TapeOpsMixin:
             for term in options.loss_terms:
                 if not term.in_validation:
                     results.pop(term.name, None)
-            # Transform metrics (gradient norms, skipped steps, update
-            # ratios) exist only where an optimizer step runs.
-            for _, transform_state in self.tapeops_state.transforms or []:
-                for name in transform_state.metrics:
-                    results.pop(name, None)
+            # Transform and multi-gradient metrics (gradient norms, skipped
+            # steps, task weights) exist only where an optimizer step runs.
+            for metric in self.tapeops_state.training_only_metrics:
+                results.pop(metric.name, None)
         return results
 
     def evaluate(self, *args, **kwargs):
@@ -304,12 +314,31 @@ class TapeOpsMixin:
             object.__setattr__(self, "_tapeops_logging", previous)
 
     def batch_gradients(self, x, y, sample_weight, loss_multiplier=None):
-        """One forward/backward pass: returns `(gradients, y_pred)`.
+        """One (micro-)batch's gradient pass: returns `(gradients, y_pred)`.
+
+        With a multi-gradient option (`task_balancing`,
+        `differential_privacy`, `sample_selection`) its engine computes the
+        rows and reduces them; otherwise `single_pass_gradients`.
 
         Args:
             x, y, sample_weight: the (micro-)batch.
             loss_multiplier: optional scalar the loss is multiplied by before
                 differentiation (after logging), e.g. `n_micro / n_batch`.
+        """
+        state = self.tapeops_state
+        engine = state.engine if state is not None else None
+        if engine is not None:
+            engine.check_batch(self, x, y, sample_weight)
+            return engine.batch_gradients(self, x, y, sample_weight, loss_multiplier)
+        return self.single_pass_gradients(x, y, sample_weight, loss_multiplier)
+
+    def single_pass_gradients(self, x, y, sample_weight, loss_multiplier=None):
+        """One forward/backward pass of the total loss: `(gradients, y_pred)`.
+
+        Args:
+            x, y, sample_weight: the (micro-)batch.
+            loss_multiplier: optional scalar the loss is multiplied by before
+                differentiation (after logging).
         """
         with tf.GradientTape() as tape:
             loss, y_pred = self.compute_total_loss(
@@ -420,13 +449,19 @@ class TapeOpsMixin:
         """
         state = self.tapeops_state
         has_transforms = state is not None and state.options.gradient_transforms
-        if not has_transforms and not self._overrides_gradient_hooks():
+        engine = state.engine if state is not None else None
+        if not has_transforms and engine is None and not self._overrides_gradient_hooks():
             self.optimizer.apply_gradients(zip(grads, variables))
             return None
         bound = state.transforms if state is not None else []
+        transform = self.transform_gradients
+        if engine is not None:
+            def transform(true_grads, variables):
+                finalized = engine.finalize(self, true_grads, variables)
+                return self.transform_gradients(finalized, variables)
         return true_gradients.apply_transformed(
             self.optimizer, grads, variables,
-            transform=self.transform_gradients,
+            transform=transform,
             aggregate=self.aggregate_gradients,
             keep_step=step_gate.keep_step_function(bound),
             after_apply=step_gate.after_apply_function(bound, variables),

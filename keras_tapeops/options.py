@@ -8,6 +8,9 @@ import keras
 
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.multi_gradient import MULTI_GRADIENT_OPTIONS
+from keras_tapeops.multi_gradient import MultiGradientOption
+from keras_tapeops.multi_gradient import check_combinations
 from keras_tapeops.registration import serialize_all
 from keras_tapeops.sam import SAM
 from keras_tapeops.terms.base import Term
@@ -20,7 +23,14 @@ OPTION_NAMES = (
     "accumulation_steps",
     "batch_norm_updates",
     "sharpness_aware",
-)
+) + MULTI_GRADIENT_OPTIONS
+
+# What each multi-gradient option expects, for the TypeError message.
+_MULTI_GRADIENT_EXAMPLES = {
+    "task_balancing": "kt.PCGrad(shared='trunk/*')",
+    "differential_privacy": "kt.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1)",
+    "sample_selection": "kt.TopLoss(fraction=0.25)",
+}
 
 BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
 
@@ -56,6 +66,9 @@ class TapeOpsOptions(ConfigRepr):
         accumulation_steps=1,
         batch_norm_updates="large_batch",
         sharpness_aware=None,
+        task_balancing=None,
+        differential_privacy=None,
+        sample_selection=None,
     ):
         self.gradient_transforms = validation.instances(
             gradient_transforms, GradientTransform, "gradient_transforms",
@@ -79,6 +92,33 @@ class TapeOpsOptions(ConfigRepr):
                 f"kt.SAM(rho=0.05)). Received: sharpness_aware={sharpness_aware!r}"
             )
         self.sharpness_aware = sharpness_aware
+        given = {
+            "task_balancing": task_balancing,
+            "differential_privacy": differential_privacy,
+            "sample_selection": sample_selection,
+        }
+        for name, value in given.items():
+            if value is not None and not (
+                isinstance(value, MultiGradientOption) and value.option_name == name
+            ):
+                raise TypeError(
+                    f"`{name}` must be None or a {name} option (e.g. "
+                    f"{_MULTI_GRADIENT_EXAMPLES[name]}). Received: {name}={value!r}"
+                )
+            setattr(self, name, value)
+        check_combinations(self)
+
+    @property
+    def multi_gradient(self):
+        """`(name, option)` of the multi-gradient option that is set, or None.
+
+        `check_combinations` allows at most one unless an option says it
+        combines with another; the first in pipeline order is the engine.
+        """
+        for name in MULTI_GRADIENT_OPTIONS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def transforms(self):
@@ -99,6 +139,7 @@ class TapeOpsOptions(ConfigRepr):
             or self.micro_batches > 1
             or self.accumulation_steps > 1
             or self.sharpness_aware is not None
+            or self.multi_gradient is not None
         )
 
     @property
@@ -128,6 +169,14 @@ class TapeOpsOptions(ConfigRepr):
                 if self.sharpness_aware is not None
                 else None
             ),
+            **{
+                name: (
+                    serialize_all([getattr(self, name)], model)[0]
+                    if getattr(self, name) is not None
+                    else None
+                )
+                for name in MULTI_GRADIENT_OPTIONS
+            },
         }
 
     @staticmethod
@@ -139,10 +188,9 @@ class TapeOpsOptions(ConfigRepr):
                 kwargs[key] = [
                     keras.saving.deserialize_keras_object(c) for c in kwargs[key]
                 ]
-        if kwargs.get("sharpness_aware"):
-            kwargs["sharpness_aware"] = keras.saving.deserialize_keras_object(
-                kwargs["sharpness_aware"]
-            )
+        for key in ("sharpness_aware",) + MULTI_GRADIENT_OPTIONS:
+            if kwargs.get(key):
+                kwargs[key] = keras.saving.deserialize_keras_object(kwargs[key])
         return kwargs
 
 

@@ -50,6 +50,11 @@ class ModelState:
         self.accumulator = None
         self.metric_names_checked = False
         self._bound_variables = None
+        self.engine = None  # the multi-gradient option's MultiGradientState
+        chosen = options.multi_gradient
+        if chosen is not None:
+            with model.distribute_strategy.scope():  # its variables, metrics
+                self.engine = chosen[1].bind(model, tree)
         if model.built:
             self.bind_variables(model, tree)
 
@@ -99,6 +104,9 @@ class ModelState:
                 self.accumulator = accumulation.CrossBatchAccumulator(
                     model, options.accumulation_steps
                 )
+        if self.engine is not None:
+            with model.distribute_strategy.scope():
+                self.engine.bind_variables(model, variables, tree)
         self.transforms = transforms
         self.sam_selected = sam_selected
         self._bound_variables = key
@@ -109,12 +117,24 @@ class ModelState:
         return [v for _, s in self.transforms or [] for v in s.variables.values()]
 
     @property
+    def training_state_variables(self):
+        """Transform variables, then the multi-gradient engine's (saved, not weights)."""
+        engine = list(self.engine.variables) if self.engine is not None else []
+        return self.transform_variables + engine
+
+    @property
     def metrics(self):
-        """Term trackers, then the bound transforms' metrics."""
+        """Term trackers, the bound transforms' metrics, then the engine's."""
+        return list(self.term_trackers.values()) + self.training_only_metrics
+
+    @property
+    def training_only_metrics(self):
+        """Metrics that exist only where an optimizer step runs (not in evaluate)."""
         transform_metrics = [
             m for _, s in self.transforms or [] for m in s.metrics.values()
         ]
-        return list(self.term_trackers.values()) + transform_metrics
+        engine = list(self.engine.metrics.values()) if self.engine is not None else []
+        return transform_metrics + engine
 
     @property
     def gates(self):

@@ -1,0 +1,84 @@
+"""Rows: the Jacobian of a vector of objectives with respect to variables.
+
+The one place where the multi-gradient options compute per-task or
+per-example gradients. A row is one objective's gradient over the selected
+variables, flattened and concatenated; `K` objectives give a `K x P` matrix.
+Aggregators (`keras_tapeops.aggregation`) reduce it, mostly through its
+`K x K` Gramian `J J^T`.
+"""
+
+import tensorflow as tf
+
+
+def jacobian_rows(tape, objectives, variables, method="pfor"):
+    """The rows `d objectives[k] / d variables`, as one `[K, P]` float32 matrix.
+
+    Args:
+        tape: the `tf.GradientTape` that recorded `objectives` (persistent
+            for `method="loop"`).
+        objectives: a `[K]` tensor (e.g. per-task or per-example losses).
+        variables: the variables (or watched tensors) to differentiate by.
+        method: `"pfor"` (one vectorized Jacobian) or `"loop"` (one
+            `tape.gradient` per objective; K must be static).
+
+    Returns:
+        A `[K, P]` float32 tensor, P the total size of `variables`; a
+        variable the objectives do not reach contributes zeros.
+
+    Example:
+    ```python
+    with tf.GradientTape(persistent=True) as tape:
+        losses = tf.stack([loss_a, loss_b])
+    rows = jacobian_rows(tape, losses, model.trainable_variables)
+    ```
+    """
+    if method == "pfor":
+        jacobians = tape.jacobian(
+            objectives, variables,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            experimental_use_pfor=True,
+        )
+    elif method == "loop":
+        k = int(objectives.shape[0])
+        # One backward pass per objective, seeded with a one-hot cotangent
+        # (indexing `objectives` after the tape closed would not be recorded).
+        per_objective = [
+            tape.gradient(
+                objectives, variables,
+                output_gradients=tf.one_hot(i, k, dtype=objectives.dtype),
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+            for i in range(k)
+        ]
+        jacobians = [
+            tf.stack([tf.convert_to_tensor(g[j]) for g in per_objective])
+            for j in range(len(variables))
+        ]
+    else:
+        raise ValueError(
+            f"`method` must be 'pfor' or 'loop'. Received: method={method!r}"
+        )
+    k = tf.shape(objectives)[0]
+    return tf.concat(
+        [tf.reshape(tf.cast(j, tf.float32), [k, -1]) for j in jacobians], axis=1
+    )
+
+
+def gramian(rows):
+    """`J J^T`: the `[K, K]` inner products of the rows."""
+    return tf.matmul(rows, rows, transpose_b=True)
+
+
+def combine(weights, rows):
+    """`weights^T J`: one `[P]` gradient from `[K]` weights and `[K, P]` rows."""
+    return tf.linalg.matvec(rows, tf.cast(weights, rows.dtype), transpose_a=True)
+
+
+def split_like(vector, variables):
+    """Cuts a flat `[P]` vector into tensors shaped like `variables`, cast to their dtypes."""
+    out, start = [], 0
+    for v in variables:
+        size = int(tf.size(v)) if v.shape.num_elements() is None else v.shape.num_elements()
+        out.append(tf.cast(tf.reshape(vector[start:start + size], v.shape), v.dtype))
+        start += size
+    return out
