@@ -39,7 +39,7 @@ def test_every_notest_block_says_why():
         for i, line in enumerate(lines):
             words = line.strip().lstrip("`").split()
             if line.strip().startswith("```") and "notest" in words[1:]:
-                before = " ".join(lines[max(0, i - 4):i]).lower()
+                before = " ".join(lines[max(0, i - 8):i]).lower()
                 assert "not run" in before or "cannot run" in before, (
                     f"{page.name}:{i + 1}: say why this block is not run"
                 )
