@@ -16,9 +16,12 @@ require_tensorflow_backend()
 
 from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
 from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
+from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
+from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
 from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.groups import optimizer_groups  # noqa: E402
 from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
+from keras_tapeops.meta import MetaLearner  # noqa: E402
 from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
 from keras_tapeops.penalty import gradient_penalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
@@ -29,6 +32,8 @@ from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
+from keras_tapeops.terms.adversarial import TRADES  # noqa: E402
+from keras_tapeops.terms.adversarial import AdversarialLoss  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
@@ -63,6 +68,8 @@ __all__ = [
     # Loss terms (compile(loss_terms=[...])).
     "ActivationPenalty",
     "GradientPenalty",
+    "AdversarialLoss",
+    "TRADES",
     "LossTerm",
     "Term",
     "TermContext",
@@ -77,4 +84,9 @@ __all__ = [
     # Gradient penalties and GANs.
     "WGANGP",
     "gradient_penalty",
+    # Input gradients: attacks, adversarial training terms, attribution.
+    "attacks",
+    "attribution",
+    # Meta-learning: MAML, first-order MAML, Reptile, ANIL, Meta-SGD.
+    "MetaLearner",
 ]

@@ -1,0 +1,102 @@
+"""`RobustAccuracy`: logs accuracy under attack at the end of every epoch."""
+
+import keras
+
+from keras_tapeops import second_order
+from keras_tapeops import validation
+from keras_tapeops.attacks.robustness import RobustnessEvaluator
+from keras_tapeops.registration import register
+
+
+@register
+class RobustAccuracy(keras.callbacks.Callback):
+    """Writes the accuracy under `attack` on `data` into the epoch logs.
+
+    At the end of every epoch (every `every` epochs) it runs
+    `kt.attacks.evaluate_robustness(model, data, attack)` (one traced batch
+    function, kept between epochs) and logs its `robust_accuracy` under
+    `name`, so History, the progress bar, CSVLogger and TensorBoard show it,
+    and `EarlyStopping(monitor=name, mode="max", restore_best_weights=True)`
+    catches catastrophic overfitting (Wong et al. 2020: FGSM training whose
+    PGD accuracy collapses within an epoch). List this callback before the
+    callbacks that read the value. The attack runs in inference mode and
+    changes nothing in the model.
+
+    Args:
+        data: a finite `tf.data.Dataset` of `(x, y[, sample_weight])`
+            batches (the same batches each epoch), or a tuple
+            `(x, y[, sample_weight])` of arrays.
+        attack: a `kt.attacks` attack, e.g. `kt.attacks.PGD(8/255, 2/255,
+            steps=20)`. With a `seed`, every epoch attacks with the same
+            random starts.
+        name: the log key.
+        batch_size: for a tuple `data`: None (one batch) or a positive int.
+        every: positive int, the period in epochs (epochs 0, every, ...).
+
+    Example:
+    ```python
+    import keras, numpy as np
+    import keras_tapeops as kt
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.random.rand(64, 4).astype("float32"), np.arange(64) % 3
+    robust = kt.callbacks.RobustAccuracy((x, y), kt.attacks.PGD(0.1, steps=5, seed=0))
+    stop = keras.callbacks.EarlyStopping(monitor="robust_accuracy", mode="max",
+                                         patience=2, restore_best_weights=True)
+    history = model.fit(x, y, epochs=2, verbose=0, callbacks=[robust, stop])
+    history.history["robust_accuracy"]
+    ```
+    """
+
+    def __init__(self, data, attack, name="robust_accuracy", batch_size=None, every=1):
+        super().__init__()
+        self.evaluator = RobustnessEvaluator(attack)
+        self.attack = attack
+        if batch_size is not None:
+            batch_size = validation.positive_int(batch_size, "batch_size")
+        second_order._check_data(data)
+        self.data = data
+        self.batch_size = batch_size
+        self.name = validation.name(name, "name")
+        self.every = validation.positive_int(every, "every")
+        self.values = {}
+
+    def on_train_begin(self, logs=None):
+        self.values = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch % self.every:
+            return
+        if logs is not None and self.name in logs:
+            raise ValueError(
+                f"RobustAccuracy cannot log under `name`={self.name!r}: the epoch "
+                "logs already have that key (a metric or another callback). "
+                f"Pass another name. Received: name={self.name!r}"
+            )
+        result = self.evaluator(self.model, self.data, self.batch_size)
+        value = result["robust_accuracy"]
+        self.values[epoch] = value
+        if logs is not None:
+            logs[self.name] = value
+
+    def get_config(self):
+        """The arguments; `data` is held by reference (not JSON-serializable)."""
+        return {
+            "data": self.data,
+            "attack": self.attack,
+            "name": self.name,
+            "batch_size": self.batch_size,
+            "every": self.every,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        return (
+            f"RobustAccuracy(data={second_order._describe(self.data)}, "
+            f"attack={self.attack!r}, name={self.name!r}, "
+            f"batch_size={self.batch_size!r}, every={self.every!r})"
+        )
