@@ -43,6 +43,7 @@ def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
 
     Example:
     ```python
+    real, noise = real_images[:64], tf.random.normal((64, 128))
     with tf.GradientTape() as tape:
         fake = generator(noise, training=True)
         critic_loss = (tf.reduce_mean(critic(fake)) - tf.reduce_mean(critic(real))

@@ -100,9 +100,10 @@ def upgrade(model):
     model.compile(optimizer="adam", loss="mse",
                   gradient_transforms=[kt.ClipByGlobalNorm(1.0)])
 
-    classifier = kt.upgrade(keras_hub.models.BertTextClassifier(...))
-    classifier.compile(optimizer="adam", micro_batches=2)
-    classifier.fit(raw_strings, labels)         # its preprocessor still runs
+    # A keras-hub Task keeps its class (upgraded in place; see docs/upgrade.md):
+    # classifier = kt.upgrade(keras_hub.models.BertTextClassifier(...))
+    # classifier.compile(optimizer="adam", micro_batches=2)
+    # classifier.fit(raw_strings, labels)         # its preprocessor still runs
     ```
     """
     if isinstance(model, TapeOpsMixin):

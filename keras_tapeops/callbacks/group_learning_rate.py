@@ -75,6 +75,9 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
 
     Example:
     ```python
+    model.compile(loss="mse", optimizer=kt.optimizer_groups(model, [
+        ("backbone/*", keras.optimizers.Adam(name="backbone")),
+        ("head", keras.optimizers.Adam(name="head"))]))
     warm = kt.callbacks.GroupLearningRateScheduler(
         {"head": lambda epoch, lr: lr, "backbone": lambda epoch, lr: 1e-5 if epoch < 2 else 1e-4},
         log=True)

@@ -46,7 +46,7 @@ class ActivationPenalty(Term):
     ```python
     model.compile(optimizer="adam", loss="mse", loss_terms=[
         kt.ActivationPenalty("dense_1", l2=1e-3, name="act_l2"),
-        kt.ActivationPenalty("backbone/dense", l1=1e-4),
+        kt.ActivationPenalty("backbone/block_1", l1=1e-4),
     ])
     ```
     """
