@@ -14,6 +14,15 @@ from keras_tapeops.backend_check import require_tensorflow_backend
 
 require_tensorflow_backend()
 
+
+def _installed_version():
+    from importlib import metadata
+
+    try:
+        return metadata.version("keras-tapeops")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "0+unknown"
+
 from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
 from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
 from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
@@ -47,7 +56,7 @@ from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = _installed_version()  # one source: `version` in pyproject.toml
 
 __all__ = [
     # The model side.
