@@ -2,6 +2,7 @@
 
 import numbers
 
+import keras
 import tensorflow as tf
 
 
@@ -58,7 +59,7 @@ def select_inputs(model, x, flat, inputs):
                 f"inputs=None with input dtypes {[_dtype(t) for t in flat]}"
             )
         return chosen
-    paths = [path for path, _ in tf.nest.flatten_with_joined_string_paths(x)]
+    paths = ["/".join(str(key) for key in path) for path, _ in keras.tree.flatten_with_path(x)]
     names = [getattr(t, "name", None) for t in getattr(model, "inputs", None) or []]
     chosen = []
     for item in inputs:
