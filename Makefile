@@ -24,6 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
+# The documentation site into build/site: the examples draw the figures, then a
+# strict mkdocs build (README home page, docs/*.md, API reference from docstrings).
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) docs/gen_figures.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 $(OLDEST_STAMP): pyproject.toml
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
 	rm -f $(OLDEST_VENV)/.installed-*

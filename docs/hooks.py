@@ -1,0 +1,97 @@
+"""MkDocs hooks of the documentation site (issue 23; `hooks:` in mkdocs.yml).
+
+- The home page is README.md (links into docs/ made site-relative; links to
+  other repository files kept as their text); CHANGELOG.md is a page too.
+- The API reference (`api/*.md`) is generated from `kt.__all__` by
+  `docs/gen_api.py`, so a new export gets its entry without an edit.
+- The figures of `docs/gen_figures.py` (PNGs written by the examples) are
+  added to the site and shown on their pages. A missing PNG fails the build
+  with the command to run, unless KT_DOCS_FIGURES=optional (the fast site test:
+  the page then says the figure was not generated).
+- pytest-markdown-docs' fence options (`python notest`, `python continuation`)
+  are dropped from the rendered code fences so they highlight as Python.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+
+DOCS = pathlib.Path(__file__).resolve().parent
+REPO = DOCS.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen_api = _load("gen_api")
+gen_figures = _load("gen_figures")
+
+_LINK = re.compile(r"\[([^\]]+)\]\((?!https?:|mailto:|#)([^)\s]+)\)")
+_FENCE_OPTIONS = re.compile(r"^(\s*(?:```|~~~)+\s*(?:python|py|python3))[ \t]+[^\n`]*$", re.M)
+
+
+def readme_as_home(text):
+    """README.md rewritten for `index.md` inside the site."""
+
+    def link(match):
+        label, target = match.groups()
+        if target.startswith("docs/"):
+            return f"[{label}]({target[len('docs/'):]})"
+        return label  # a repository file outside the site (examples/, bench/, ...)
+
+    return _LINK.sub(link, text)
+
+
+def figures_dir():
+    return pathlib.Path(os.environ.get("KT_DOCS_FIGURES_DIR", gen_figures.DEFAULT_OUT))
+
+
+def on_files(files, config):
+    files.append(File.generated(config, "index.md",
+                                content=readme_as_home((REPO / "README.md").read_text("utf-8"))))
+    files.append(File.generated(config, "changelog.md",
+                                content=(REPO / "CHANGELOG.md").read_text("utf-8")))
+    for path, content in gen_api.api_pages().items():
+        files.append(File.generated(config, path, content=content))
+    for figure in gen_figures.FIGURES:
+        png = figures_dir() / figure.name
+        if png.exists():
+            files.append(File.generated(config, f"figures/{figure.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_nav(nav, config, files):
+    for item in nav.items:
+        if item.is_section and item.title.lower() == "api":
+            item.title = "API reference"
+    return nav
+
+
+def on_page_markdown(markdown, page, config, files):
+    markdown = _FENCE_OPTIONS.sub(r"\1", markdown)
+    for figure in gen_figures.FIGURES:
+        if page.file.src_uri != figure.page:
+            continue
+        link = f"figures/{figure.name}"
+        if (figures_dir() / figure.name).exists():
+            if link not in markdown:
+                markdown += f"\n\n## Figure\n\n![{figure.caption}]({link})\n\n*{figure.caption}*\n"
+        elif os.environ.get("KT_DOCS_FIGURES") == "optional":
+            markdown = markdown.replace(f"]({link})", "](#)")
+            markdown += (f"\n\n*Figure `{figure.name}` not generated in this build "
+                         "(run `make docs`).*\n")
+        else:
+            raise PluginError(
+                f"{figure.page} shows {figure.name}, which {figure.command[0]} has not "
+                f"written to {figures_dir()}: run `python docs/gen_figures.py` first "
+                "(make docs does), or set KT_DOCS_FIGURES=optional."
+            )
+    return markdown
