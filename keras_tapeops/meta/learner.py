@@ -1,0 +1,451 @@
+"""`MetaLearner`: MAML and its family (first-order MAML, Reptile, ANIL, Meta-SGD) with `fit()`.
+
+A Keras model that wraps the model being meta-learned (as `kt.WGANGP` wraps
+its generator and critic) and trains that model's own variables. Each step
+takes a meta-batch of tasks, `x = (support_x, support_y, query_x)`,
+`y = query_y` (task axis first); per task it runs `inner_steps` of plain SGD
+on the compiled loss over the support set with functional weights (the
+model's variables are never written by the inner loop), then evaluates the
+compiled loss on the query set at the adapted weights. The outer loss is the
+mean over tasks of those query losses; it is what `fit` logs as `loss`, and
+the compiled metrics are computed on the query predictions at the adapted
+weights.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import _keras_private as private
+from keras_tapeops import paths
+from keras_tapeops import selectors
+from keras_tapeops import validation
+from keras_tapeops.meta import inner_loop
+from keras_tapeops.meta import rates as rates_lib
+from keras_tapeops.meta import tasks as tasks_lib
+from keras_tapeops.meta.config import MetaConfig
+from keras_tapeops.meta.task_loss import TaskLoss
+from keras_tapeops.registration import register
+
+
+@register
+class MetaLearner(keras.Model):
+    """Meta-learning of `model` with `fit()`: MAML, first-order MAML, Reptile, ANIL, Meta-SGD.
+
+    Per task of a meta-batch: `inner_steps` of SGD on the support set
+    (`w' = w - inner_learning_rate * grad`, the compiled loss plus the
+    model's regularization losses), then the query loss at `w'`.
+
+    - `algorithm="maml"` (Finn et al. 2017): the outer loss is the mean
+      query loss over tasks, differentiated through the inner updates
+      (second order) or with the inner gradients held constant
+      (`first_order=True`), and applied by the compiled optimizer.
+    - `algorithm="reptile"` (Nichol et al. 2018): the outer gradient is
+      `w - mean_over_tasks(w')`; with `SGD(learning_rate=eps)` the step is
+      Reptile's `w <- w + eps * (mean(w') - w)`. The query set is only
+      evaluated (logged), never trained on.
+    - `adapt=<selector>` (ANIL, Raghu et al. 2020): the inner loop adapts only
+      the selected variables (`where=` path grammar: `"head"`, `"head/*"`,
+      a layer, ...); the outer loop trains every trainable variable.
+    - `learn_inner_learning_rate=True` (Meta-SGD, Li et al. 2017): one learned
+      inner rate per adapted parameter, initialized to
+      `inner_learning_rate`, trained with the weights and saved with the
+      learner.
+
+    Forward passes use `training=True` in `fit` and `training=False` in
+    `evaluate`, `predict` and `adapt`. Non-trainable variables
+    (BatchNormalization statistics, seed states) are read, never updated.
+    Calling the learner on `(support_x, support_y, query_x)` returns the query
+    predictions at the adapted weights (task axis first); `predict` does
+    that for a whole dataset.
+
+    Args:
+        model: a built Keras model with one output (the learner).
+        inner_learning_rate: positive number, the inner SGD step size.
+        inner_steps: int >= 1, inner SGD steps per task (in `fit`, `evaluate`,
+            `predict`, and `adapt` by default).
+        first_order: bool, first-order MAML (no effect for Reptile, which
+            never differentiates through the inner loop).
+        algorithm: `"maml"` or `"reptile"`.
+        adapt: None (adapt every trainable variable) or a selector of the
+            variables to adapt (ANIL). MAML only.
+        learn_inner_learning_rate: bool, Meta-SGD. MAML only.
+        **kwargs: `name` and other base `keras.Model` arguments.
+
+    Returns:
+        A `keras.Model`; compile it with an optimizer and a loss.
+
+    Example:
+    ```python
+    import keras, numpy as np
+    import keras_tapeops as kt
+    net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(1)])
+    meta = kt.MetaLearner(net, inner_learning_rate=0.01, inner_steps=1)
+    meta.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    sx, qx = np.random.uniform(-5, 5, (2, 4, 16, 1)).astype("float32")
+    meta.fit((sx, np.sin(sx), qx), np.sin(qx), batch_size=2, verbose=0)
+    adapted = meta.adapt(sx[0], np.sin(sx[0]), steps=1)
+    ```
+    """
+
+    def __init__(
+        self,
+        model,
+        inner_learning_rate=0.01,
+        inner_steps=1,
+        first_order=False,
+        algorithm="maml",
+        adapt=None,
+        learn_inner_learning_rate=False,
+        **kwargs,
+    ):
+        _check_model(model)
+        if isinstance(adapt, keras.layers.Layer):
+            # Kept as its path: the learner holds no second reference to a
+            # layer of its model (Keras's saving would visit the layer there).
+            adapt = _layer_path(model, adapt)
+        config = MetaConfig(
+            inner_learning_rate=inner_learning_rate,
+            inner_steps=inner_steps,
+            first_order=first_order,
+            algorithm=algorithm,
+            adapt=adapt,
+            learn_inner_learning_rate=learn_inner_learning_rate,
+        )
+        adapted = _adapted_variables(model, config.adapt)
+        super().__init__(**kwargs)
+        self.model = model
+        self._meta_config = config
+        self._task_loss = None
+        learned = []
+        if config.learn_inner_learning_rate:
+            learned = rates_lib.create_learned_rates(
+                self, adapted, config.inner_learning_rate
+            )
+        self._learned_rates = learned
+        self._rate_of = {id(v): r for v, r in zip(adapted, learned)}
+        self.built = True
+
+    # ------------------------------------------------------------- options
+    @property
+    def meta_config(self):
+        """The learner's validated options (a `MetaConfig`)."""
+        return self._meta_config
+
+    @property
+    def inner_learning_rate(self):
+        return self._meta_config.inner_learning_rate
+
+    @property
+    def inner_steps(self):
+        return self._meta_config.inner_steps
+
+    @property
+    def first_order(self):
+        return self._meta_config.first_order
+
+    @property
+    def algorithm(self):
+        return self._meta_config.algorithm
+
+    @property
+    def adapt_selector(self):
+        """The `adapt=` selector (None: every trainable variable is adapted)."""
+        return self._meta_config.adapt
+
+    @property
+    def learn_inner_learning_rate(self):
+        return self._meta_config.learn_inner_learning_rate
+
+    @property
+    def learned_rates(self):
+        """Meta-SGD's rate variables, aligned with the adapted variables ([] otherwise)."""
+        return list(self._learned_rates)
+
+    # ------------------------------------------------------------- compile
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+        """Configures meta-training: everything stock `compile()` takes.
+
+        Args:
+            optimizer: the outer optimizer (its variables are built for the
+                model's trainable variables and the Meta-SGD rates). Under the
+                `"mixed_float16"` policy Keras wraps it in a
+                `LossScaleOptimizer`, which scales the outer loss (the inner
+                losses are differentiated unscaled, in float32).
+            loss: one loss (name, function or `keras.losses.Loss`): the inner
+                loop minimizes it on the support set, the outer loop on the
+                query set. Required.
+            metrics: compiled metrics, computed on the query predictions at
+                the adapted weights.
+            **kwargs: other `keras.Model.compile` arguments
+                (`steps_per_execution`, `jit_compile`, ...).
+
+        Returns:
+            None. Raises before changing anything if `loss` is missing, is a
+            dict or list, or is not a loss.
+        """
+        task_loss = TaskLoss(loss)
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError(
+                "MetaLearner.compile() does not take `loss_weights` (one "
+                "output, one loss). Received: "
+                f"loss_weights={kwargs['loss_weights']!r}"
+            )
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self._task_loss = task_loss
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        # Create the optimizer variables so the saved states load into them.
+        self.build_optimizer()
+
+    def make_train_function(self, force=False):
+        self.build_optimizer()
+        return super().make_train_function(force=force)
+
+    def outer_variables(self):
+        """What the outer optimizer updates: the model's trainable variables, then the rates."""
+        return self.model.trainable_variables + self.learned_rates
+
+    def build_optimizer(self):
+        """Creates the optimizer's variables for `outer_variables()` (in the strategy scope).
+
+        Always in that order (the order of its saved state), and before the
+        first step: variables created lazily inside a replicated step would
+        break `tf.distribute`.
+        """
+        with self.distribute_strategy.scope():
+            if not self.optimizer.built:
+                self.optimizer.build(self.outer_variables())
+
+    def get_compile_config(self):
+        # Stock (`compile()` records its arguments); declared because
+        # `compile()` is overridden, which stops Keras from recompiling on load
+        # unless both methods are.
+        return super().get_compile_config()
+
+    # ---------------------------------------------------------- the steps
+    def train_step(self, data):
+        tasks = tasks_lib.unpack_meta_batch(data)
+        total = tf.cast(tasks_lib.global_count(tasks.count()), "float32")
+        variables = self.outer_variables()
+        if self.algorithm == "reptile":  # (no learned rates: refused at construction)
+            losses, y_pred, deltas = self.run_tasks(tasks, training=True, reptile=True)
+            # Scaled like a loss, so a LossScaleOptimizer's unscaling (and
+            # its skipping of non-finite steps) applies as to MAML's gradients.
+            grads = [
+                self.optimizer.scale_loss(tf.reduce_sum(delta, axis=0) / total)
+                for delta in deltas
+            ]
+        else:
+            with tf.GradientTape() as tape:
+                losses, y_pred = self.run_tasks(tasks, training=True)
+                loss = tf.reduce_sum(losses) / total
+                scaled = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, variables)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return self._update_metrics(tasks, losses, y_pred)
+
+    def test_step(self, data):
+        tasks = tasks_lib.unpack_meta_batch(data)
+        losses, y_pred = self.run_tasks(tasks, training=False)
+        return self._update_metrics(tasks, losses, y_pred)
+
+    def call(self, inputs, training=False):
+        """Query predictions at the adapted weights, `(tasks, query_examples, ...)`.
+
+        Args:
+            inputs: `(support_x, support_y, query_x)`, task axis first.
+            training: the forward passes' `training` flag.
+        """
+        support_x, support_y, query_x = tasks_lib.unpack_inputs(inputs)
+        if private.in_symbolic_build():
+            # Keras builds the compiled loss and metrics from output shapes
+            # only: no adaptation is needed to know them.
+            return tasks_lib.map_tasks(
+                lambda qx: self.model(qx, training=False), query_x
+            )
+        tasks = tasks_lib.Tasks(support_x, support_y, query_x, None)
+        _, y_pred = self.run_tasks(tasks, training=training)
+        return y_pred
+
+    def run_tasks(self, tasks, training, reptile=False, steps=None):
+        """Adapts to every task and evaluates its query set, vectorized over tasks.
+
+        Reads the weights (and Meta-SGD rates) once, so an outer tape around
+        this call differentiates the query losses through the inner loop.
+
+        Args:
+            tasks: a `tasks.Tasks` (`query_y` None: predictions only).
+            training: the forward passes' `training` flag.
+            reptile: also return, per adapted variable, `w - w'` for every task.
+            steps: inner steps (default `inner_steps`).
+
+        Returns:
+            `(losses, y_pred)`: the per-task query losses `(tasks,)` (None
+            without `query_y`) and query predictions; with `reptile=True`,
+            also the list of per-task differences `(tasks, *variable.shape)`.
+        """
+        loss = self._functional_loss(training)
+        weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
+        adapted, rates = self._adapted_indices_and_rates()
+        steps = self.inner_steps if steps is None else steps
+        first_order = self.first_order or reptile
+        with_targets = tasks.query_y is not None
+
+        def one_task(task):
+            support_x, support_y, query_x = task[:3]
+            new = inner_loop.sgd_steps(
+                loss, weights, support_x, support_y, adapted, rates, steps,
+                first_order,
+            )
+            if not with_targets:
+                return loss.predict(new, query_x)[0]
+            out = loss(new, query_x, task[3])
+            if reptile:
+                out = out + ([weights[i] - new[i] for i in adapted],)
+            return out
+
+        if not with_targets:
+            return None, tasks_lib.map_tasks(one_task, tasks.as_tuple()[:3])
+        return tasks_lib.map_tasks(one_task, tasks.as_tuple())
+
+    def _update_metrics(self, tasks, losses, y_pred):
+        # One value per task: the epoch's mean over tasks, over all replicas
+        # (a replica given no task adds nothing).
+        private.loss_tracker(self).update_state(losses)
+        return self.compute_metrics(
+            None, tasks_lib.merge_task_axis(tasks.query_y),
+            tasks_lib.merge_task_axis(y_pred),
+        )
+
+    # ------------------------------------------------------------ adapt
+    def adapt(self, support_x, support_y, steps=None):
+        """Returns a copy of the model at the weights adapted to one task.
+
+        The learned weights (and the model) are unchanged: the copy
+        (`keras.models.clone_model`) gets the adapted weights.
+
+        Args:
+            support_x: one task's support inputs, example axis first.
+            support_y: one task's support targets.
+            steps: int >= 1, inner SGD steps (default `inner_steps`), with
+                the learner's inner rates (learned ones for Meta-SGD) and
+                `training=False` forward passes.
+
+        Returns:
+            A new, uncompiled Keras model of the same architecture.
+
+        Example:
+        ```python
+        adapted = meta.adapt(support_x, support_y, steps=10)
+        query_pred = adapted.predict(query_x)
+        ```
+        """
+        self._require_compiled("adapt")
+        steps = self.inner_steps if steps is None else validation.positive_int(steps, "steps")
+        support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
+        support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
+        tasks_lib.check_support(support_x, support_y)
+        weights = self.adapted_weights(support_x, support_y, steps)
+        clone = keras.models.clone_model(self.model)
+        clone.set_weights(self.model.get_weights())
+        for variable, value in zip(clone.trainable_variables, weights):
+            variable.assign(value)
+        return clone
+
+    def adapted_weights(self, support_x, support_y, steps=None):
+        """The adapted values of `model.trainable_variables` for one task (tensors).
+
+        Same arguments as `adapt`; nothing is copied or written.
+        """
+        self._require_compiled("adapted_weights")
+        steps = self.inner_steps if steps is None else steps
+        loss = self._functional_loss(training=False)
+        weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
+        adapted, rates = self._adapted_indices_and_rates()
+        return inner_loop.sgd_steps(
+            loss, weights, support_x, support_y, adapted, rates, steps,
+            first_order=True,
+        )
+
+    # ----------------------------------------------------------- helpers
+    def _functional_loss(self, training):
+        self._require_compiled("the step")
+        non_trainable = [
+            tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables
+        ]
+        return inner_loop.FunctionalLoss(self.model, self._task_loss, non_trainable, training)
+
+    def _adapted_indices_and_rates(self):
+        variables = self.model.trainable_variables
+        mask = selectors.select(self.adapt_selector, self.model, variables)
+        indices = [i for i, on in enumerate(mask) if on]
+        rates = rates_lib.rates_for(
+            [variables[i] for i in indices], self._rate_of,
+            self.learn_inner_learning_rate, self.inner_learning_rate,
+        )
+        return indices, rates
+
+    def _require_compiled(self, what):
+        if self._task_loss is None:
+            raise ValueError(
+                f"MetaLearner must be compiled (with a loss) before {what}: the "
+                "inner loop minimizes the compiled loss. Received: an uncompiled "
+                f"MetaLearner {self.name!r}"
+            )
+
+    # ------------------------------------------------------------ saving
+    def get_config(self):
+        with selectors.paths_relative_to(self.model):
+            options = self._meta_config.get_config()
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "model": keras.saving.serialize_keras_object(self.model),
+            **options,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"))
+        options = MetaConfig.from_config(
+            {key: config.pop(key) for key in MetaConfig().get_config()}
+        )
+        return cls(model, **vars(options), **config)
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a Keras model. "
+            f"Received: model={model!r} of type {type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            "`model` must be built (give it an `Input` or call it on data "
+            "once) so its variables exist. Received: an unbuilt model "
+            f"{model.name!r}"
+        )
+    if not model.trainable_variables:
+        raise ValueError(
+            f"`model` has no trainable variables. Received: model={model.name!r}"
+        )
+
+
+def _layer_path(model, layer):
+    found = paths.LayerTree(model).paths_of(layer)
+    if not found:
+        raise ValueError(
+            f"The layer given as `adapt` is not part of model {model.name!r}. "
+            f"Received: adapt=<{type(layer).__name__} name={layer.name!r}>"
+        )
+    return selectors.LayerPath(found[0])
+
+
+def _adapted_variables(model, adapt):
+    variables = model.trainable_variables
+    mask = selectors.select(adapt, model, variables)
+    return [v for v, on in zip(variables, mask) if on]

@@ -1,0 +1,84 @@
+"""The loss of one task: the compiled loss, as a number independent of `tf.distribute`.
+
+Keras's losses divide a mean-reduced value by the number of replicas (so
+that summing gradients over replicas gives the global mean). A task's inner
+loop must see the task's own loss, so `TaskLoss` multiplies that factor back;
+the learner divides the outer loss by the global number of tasks itself.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import mixin
+
+# Reductions after which Keras divides the loss by the number of replicas
+# (keras.src.losses.loss.reduce_values).
+_SCALED_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+class TaskLoss:
+    """`(y_true, y_pred) -> float32 scalar`: one task's loss, never replica-scaled.
+
+    Args:
+        loss: what `compile(loss=...)` takes for a single-output model: a
+            name (`"mse"`), a loss function, or a `keras.losses.Loss`.
+
+    Raises:
+        ValueError: `loss` is None, a dict or a list (one loss for one
+            output), or not a loss Keras knows.
+
+    Example:
+    ```python
+    TaskLoss("mse")(y, y_pred)   # mean squared error over the task's examples
+    ```
+    """
+
+    def __init__(self, loss):
+        if loss is None:
+            raise ValueError(
+                "MetaLearner.compile() needs `loss` (the inner loop minimizes "
+                "it on the support set, the outer loop on the query set). "
+                "Received: loss=None"
+            )
+        if isinstance(loss, (dict, list, tuple)):
+            raise ValueError(
+                "MetaLearner supports models with one output and one loss. "
+                f"Received: loss={loss!r}"
+            )
+        try:
+            resolved = keras.losses.get(loss)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"`loss` must be a Keras loss, its name or a loss function. "
+                f"Received: loss={loss!r}"
+            ) from error
+        if not isinstance(resolved, keras.losses.Loss):
+            resolved = _FunctionLoss(resolved)
+        self.loss = resolved
+
+    def __call__(self, y_true, y_pred):
+        if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y_true):
+            raise ValueError(
+                "MetaLearner supports models with one output (one tensor of "
+                "predictions and one of targets). Received: y_pred="
+                f"{_structure(y_pred)}, y_true={_structure(y_true)}"
+            )
+        value = self.loss(y_true, y_pred)
+        if getattr(self.loss, "reduction", None) in _SCALED_REDUCTIONS:
+            value = mixin.unscale_for_distribution(value)
+        return tf.cast(value, "float32")
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function as a mean-reduced `keras.losses.Loss` (as `compile` wraps it)."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
+def _structure(value):
+    return tf.nest.map_structure(lambda t: tuple(getattr(t, "shape", ())), value)
