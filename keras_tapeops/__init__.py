@@ -27,6 +27,8 @@ from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micr
 from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
 from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
 from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
+from keras_tapeops import privacy  # noqa: E402  (kt.privacy.epsilon, kt.privacy.poisson_batches, ...)
+from keras_tapeops.privacy.dpsgd import DPSGD  # noqa: E402
 from keras_tapeops.gan import WGANGP  # noqa: E402
 from keras_tapeops.groups import optimizer_groups  # noqa: E402
 from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
@@ -55,6 +57,10 @@ from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
+from keras_tapeops import physics  # noqa: E402  (kt.physics.BoxSampler, ...)
+from keras_tapeops.derivatives import input_derivatives  # noqa: E402
+from keras_tapeops.physics.condition import ConditionLoss  # noqa: E402
+from keras_tapeops.physics.residual import PDEResidual  # noqa: E402
 
 __version__ = _installed_version()  # one source: `version` in pyproject.toml
 
@@ -93,9 +99,17 @@ __all__ = [
     # Gradient penalties and GANs.
     "WGANGP",
     "gradient_penalty",
+    # Differential privacy (compile(differential_privacy=...)) and its accounting.
+    "DPSGD",
+    "privacy",
     # Input gradients: attacks, adversarial training terms, attribution.
     "attacks",
     "attribution",
     # Meta-learning: MAML, first-order MAML, Reptile, ANIL, Meta-SGD.
     "MetaLearner",
+    # Physics-informed training: input derivatives, residual and condition terms.
+    "input_derivatives",
+    "PDEResidual",
+    "ConditionLoss",
+    "physics",
 ]
