@@ -82,3 +82,34 @@ def split_like(vector, variables):
         out.append(tf.cast(tf.reshape(vector[start:start + size], v.shape), v.dtype))
         start += size
     return out
+
+
+def sum_over_replicas_if(condition, tensor):
+    """`tensor` summed over replicas where `condition` (equal on every replica) holds.
+
+    Under `tf.distribute` a synchronization inside a replica-context
+    `tf.cond` is not supported, so the condition is taken in cross-replica
+    context (`merge_call`) and the sum is made there; where it does not
+    hold, zeros are returned and nothing is communicated. Without a
+    strategy (or with one replica) `tensor` is returned unchanged.
+
+    Args:
+        condition: a scalar bool tensor, the same on every replica.
+        tensor: this replica's tensor.
+
+    Returns:
+        The sum over replicas (or zeros), the same on every replica.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tensor
+
+    def cross_replica(strategy, condition, tensor):
+        condition = strategy.experimental_local_results(condition)[0]
+        return tf.cond(
+            condition,
+            lambda: strategy.reduce(tf.distribute.ReduceOp.SUM, tensor, axis=None),
+            lambda: tf.zeros_like(strategy.experimental_local_results(tensor)[0]),
+        )
+
+    return context.merge_call(cross_replica, args=(condition, tensor))

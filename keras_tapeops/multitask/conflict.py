@@ -1,0 +1,42 @@
+"""`MeasureConflict`: log whether the tasks' gradients conflict, without changing training.
+
+The step is the stock one (the gradient of the summed loss). Every `every`
+applied optimizer steps the per-task gradients of the shared variables are
+also computed, and their norms and pairwise cosine similarities are logged
+(`<task>_grad_norm`, `cosine_<a>_<b>`, the mean over the measured steps of
+the epoch). Negative cosines that persist are the sign that gradient surgery
+(PCGrad, CAGrad, UPGrad...) may help; if the cosines stay positive, the
+plain sum is likely as good (Kurin et al., 2022). The other steps cost
+nothing extra.
+"""
+
+from keras_tapeops import validation
+from keras_tapeops.multitask.option import TaskBalancing
+from keras_tapeops.registration import register
+
+
+@register
+class MeasureConflict(TaskBalancing):
+    """Measure task-gradient conflict every `every` steps (training unchanged).
+
+    Args:
+        every: measure on applied steps `0, every, 2 * every, ...`.
+        shared: selector of the shared variables.
+        tasks: None or the output names that are tasks.
+
+    Example:
+    ```python
+    model.compile(optimizer="adam", loss={"a": "mse", "b": "mse"},
+                  task_balancing=kt.MeasureConflict(every=10))
+    ```
+    """
+
+    kind = "conflict"
+    logs_weights = False
+
+    def __init__(self, every=10, shared=None, tasks=None):
+        super().__init__(shared=shared, tasks=tasks)
+        self.every = validation.positive_int(every, "every")
+
+    def get_config(self):
+        return {**super().get_config(), "every": self.every}

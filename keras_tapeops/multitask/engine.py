@@ -1,0 +1,393 @@
+"""`TaskEngine`: one model's multi-task step (the `task_balancing` engine).
+
+One forward pass inside one persistent tape yields the total loss and the
+per-task losses (`task_losses`); then, by the option's `kind`:
+
+- `"weighting"`: one backward pass of `total + sum_k (w_k - 1) L_k` (the
+  tasks reweighted, regularization and loss terms unchanged) for every
+  variable;
+- `"rows"`: the rows `d L_k / d shared` (`keras_tapeops.rows`), plus the
+  ordinary gradient of the rest of the loss (regularization, loss terms,
+  non-task outputs) on the shared variables and of the whole loss on the
+  others; the rows are reduced to one gradient by the option's `weights`
+  in `finalize`, once per applied optimizer step;
+- `"representation"`: rows of the shared representation (through the heads
+  only), MGDA's weights from their Gramian, then one backward pass of the
+  weighted loss into the shared variables;
+- `"conflict"`: the ordinary step; every `every`-th step the rows are
+  computed for the logged norms and cosines.
+
+Semantics with the rest of the step:
+
+- Distribution: rows (and the task losses) are summed over replicas before
+  anything is computed from them, so two replicas equal one device. An
+  applied step makes two all-reduces: the step's usual one (gradients of
+  every variable) and one of the packed rows and losses in `finalize`
+  (`MeasureConflict`: only on measured steps; `MGDA(on="representation")`:
+  the `K x K` Gramian in the pass instead; `FAMO`: the K losses in the pass).
+- Mixed precision: rows come from the loss-scaled losses (no float16
+  underflow) and are divided by the loss scale; all aggregation is float32.
+  A non-finite step stays non-finite, so the LossScaleOptimizer skips it.
+- `micro_batches` / `accumulation_steps`: the rows (and losses) are
+  accumulated, sample-weighted, over the passes of an applied step and
+  aggregated once: the step equals the one on the large batch. (FAMO
+  refuses `micro_batches`; `MGDA(on="representation")` refuses them under a
+  multi-replica strategy: their weights need each pass's global losses.)
+"""
+
+import random
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import capture
+from keras_tapeops import rows as row_ops
+from keras_tapeops import true_gradients
+from keras_tapeops.multi_gradient import MultiGradientState
+from keras_tapeops.multitask import tasks as task_resolution
+from keras_tapeops.multitask.epochs import EpochBoundary
+from keras_tapeops.multitask.epochs import EpochLosses
+from keras_tapeops.multitask.metrics import TaskMetrics
+from keras_tapeops.multitask.option import StepContext
+from keras_tapeops.multitask.task_losses import recording_task_losses
+
+# How rows are computed: "loop" (one backward pass per task on the
+# persistent tape) or "pfor" (one vectorized Jacobian). bench/multi_task.py
+# measures both; "loop" was faster on CPU for every K tried (see its table).
+JACOBIAN_METHOD = "loop"
+
+
+class TaskEngine(MultiGradientState):
+    """The per-model state of a `task_balancing` option.
+
+    Args:
+        option: the `TaskBalancing` option.
+        model: the model being compiled (its tasks are resolved now).
+        tree: `paths.LayerTree(model)`.
+
+    Attributes:
+        task_names: the tasks, in order.
+        shared: bools aligned with `model.trainable_weights` once bound.
+        state: dict name -> learned variable (saved training state).
+    """
+
+    def __init__(self, option, model, tree):
+        super().__init__()
+        self.option = option
+        self.task_names = task_resolution.resolve_task_names(model, option)
+        k = len(self.task_names)
+        if option.max_tasks is not None and k > option.max_tasks:
+            raise ValueError(
+                f"{type(option).__name__} solves its sub-problem exactly over "
+                f"2^K task subsets and supports at most {option.max_tasks} tasks. "
+                f"Received: {k} tasks ({self.task_names})"
+            )
+        seed = getattr(option, "seed", None)
+        self.seed = int(seed) if seed is not None else random.randrange(2**31 - 1)
+        self.state = {
+            name: keras.Variable(
+                value, trainable=False, name=f"task_balancing_{name}",
+                aggregation="only_first_replica",
+            )
+            for name, value in option.initial_state(k).items()
+        }
+        self.epochs = EpochLosses(k) if option.needs_epochs else None
+        self.variables = list(self.state.values()) + (
+            self.epochs.variables if self.epochs is not None else []
+        )
+        self.task_metrics = TaskMetrics(
+            self.task_names,
+            weights=option.logs_weights,
+            gradients=option.kind in ("rows", "representation", "conflict"),
+        )
+        self.metrics = self.task_metrics.as_dict()
+        if self.epochs is not None:
+            boundary = EpochBoundary(self.epochs, model)
+            self.metrics[boundary.name] = boundary
+        self.shared = None
+        self.representation = None
+        self.jacobian_method = JACOBIAN_METHOD
+        self._handover = threading.local()
+        self._sums = None
+
+    # ------------------------------------------------------------- binding
+    def bind_variables(self, model, variables, tree):
+        self.shared = task_resolution.shared_mask(
+            self.option, model, variables, tree, self.task_names
+        )
+        if self.option.kind == "representation":
+            self.representation = self.option.representation_layer(model, tree)
+        self._sums = None  # re-created (lazily) for the new variables
+
+    def check_batch(self, model, x, y, sample_weight):
+        options = model.tapeops_options
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        reason = self.option.micro_batch_refusal(replicas)
+        if reason is not None and options.micro_batches > 1:
+            raise ValueError(
+                f"`task_balancing={self.option!r}` cannot be combined with "
+                f"`micro_batches`: {reason}. Received: micro_batches={options.micro_batches}"
+            )
+
+    # ----------------------------------------------------------- the pass
+    def batch_gradients(self, model, x, y, sample_weight, loss_multiplier=None):
+        variables = list(model.trainable_weights)
+        shared = [on for on in self.shared]
+        kind = self.option.kind
+        layers = [self.representation] if kind == "representation" else []
+        scale = true_gradients.loss_scale(model.optimizer)
+        with tf.GradientTape(persistent=True) as tape:
+            with recording_task_losses(model) as record:
+                with capture.recording_outputs(layers) as captured:
+                    total, y_pred = model.compute_total_loss(
+                        x, y, sample_weight, training=True
+                    )
+            values = record.values(self.task_names)
+            total = tf.cast(total, tf.float32)
+            # The backward passes below differentiate `combined` with a
+            # cotangent: (c_1..c_K, c_total) gives sum_k c_k L_k + c_total L.
+            combined = tf.concat([values, total[tf.newaxis]], axis=0)
+            s = tf.cast(scale, tf.float32) if scale is not None else tf.constant(1.0)
+            targets = None
+            if kind in ("rows", "conflict", "representation"):
+                parts = [values]
+                if kind == "rows" and self._has_rest(model, record):
+                    parts.append((total - tf.reduce_sum(values))[tf.newaxis])
+                targets = tf.concat(parts, axis=0) * s
+        n = tf.cast(_batch_size(x), tf.float32)
+        m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
+        pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
+        pass_.captured = captured
+        grads = getattr(pass_, kind)()
+        return grads, y_pred
+
+    def _has_rest(self, model, record):
+        """True unless the loss is exactly the sum of the tasks (trace-time check)."""
+        state = model.tapeops_state
+        return bool(
+            model.losses
+            or (state is not None and state.active_terms(True))
+            or type(model).compute_loss is not keras.Model.compute_loss
+            or set(record.names()) != set(self.task_names)
+        )
+
+    # ----------------------------------------------------------- handover
+    def accumulating(self, model):
+        options = model.tapeops_options
+        return options.micro_batches > 1 or options.accumulation_steps > 1
+
+    def hand_over(self, model, pending, n, condition=None):
+        """Passes this pass's local sums (`pending`, times `n`) on to `finalize`."""
+        weighted = {name: value * n for name, value in pending.items()}
+        weighted["count"] = n
+        if not self.accumulating(model):
+            self._handover.pending = (weighted, condition)
+            return
+        sums = self._accumulators(weighted)
+
+        def add():
+            for name, value in weighted.items():
+                sums[name].assign_add(value)
+            return tf.constant(True)
+
+        if condition is None:
+            add()
+        else:
+            tf.cond(condition, add, lambda: tf.constant(False))
+        self._handover.pending = (None, condition)
+
+    def _accumulators(self, like):
+        if self._sums is None:
+            # Created on the first traced pass of an accumulating model (the
+            # only time they are needed), outside the graph.
+            with tf.init_scope():
+                self._sums = {
+                    name: tf.Variable(
+                        tf.zeros(value.shape, tf.float32), trainable=False,
+                        name=f"task_sum_{name}",
+                        synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM,
+                    )
+                    for name, value in like.items()
+                }
+        return self._sums
+
+    def _take_global(self, model, condition):
+        """The step's rows and losses, summed over passes and replicas, then averaged."""
+        weighted, _ = getattr(self._handover, "pending", (None, None))
+        self._handover.pending = (None, None)
+        if weighted is None:
+            weighted = {name: v.read_value() for name, v in self._sums.items()}
+            for variable in self._sums.values():
+                variable.assign(tf.zeros_like(variable))
+        names = sorted(weighted)
+        shapes = [weighted[name].shape for name in names]
+        packed = tf.concat([tf.reshape(weighted[name], [-1]) for name in names], axis=0)
+        if condition is None:
+            packed = true_gradients.sum_over_replicas([packed])[0][0]
+        else:
+            packed = row_ops.sum_over_replicas_if(condition, packed)
+        out, start = {}, 0
+        for name, shape in zip(names, shapes):
+            size = shape.num_elements()
+            out[name] = tf.reshape(packed[start:start + size], shape)
+            start += size
+        count = out.pop("count")
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        factor = replicas / tf.maximum(count, 1e-12)
+        return {name: value * factor for name, value in out.items()}
+
+    # ------------------------------------------------------------ finalize
+    def finalize(self, model, grads, variables):
+        kind = self.option.kind
+        if kind == "representation":
+            return grads
+        condition = self._condition(model) if kind == "conflict" else None
+        step = self._take_global(model, condition)
+        context = self.context(model, step["losses"])
+        grads = list(grads)
+        if kind == "rows":
+            rows = step["rows"]
+            gramian = row_ops.gramian(rows)
+            weights = self.option.weights(gramian, context)
+            shared_vars = [v for v, on in zip(variables, self.shared) if on]
+            parts = iter(row_ops.split_like(row_ops.combine(weights, rows), shared_vars))
+            grads = [g + next(parts) if on else g for g, on in zip(grads, self.shared)]
+            self.task_metrics.update(weights=weights, gramian=gramian)
+            self.option.update(context, gramian=gramian)
+        elif kind == "weighting":
+            self.task_metrics.update(weights=self.option.pass_weights(context))
+            self.option.update(context)
+        elif kind == "conflict":
+            measured = tf.cast(condition, tf.float32)
+            self.task_metrics.update(
+                gramian=row_ops.gramian(step["rows"]), sample_weight=measured
+            )
+        if self.epochs is not None:
+            finite = tf.reduce_all(tf.math.is_finite(step["losses"]))
+            self.epochs.add(tf.where(finite, step["losses"], 0.0) * tf.cast(finite, tf.float32))
+        return grads
+
+    def _condition(self, model):
+        every = self.option.every
+        return tf.equal(model.optimizer.iterations % every, 0)
+
+    def context(self, model, losses):
+        """The `StepContext` for this model's current step."""
+        return StepContext(
+            len(self.task_names), losses=losses, state=self.state,
+            step=model.optimizer.iterations, seed=self.seed, epochs=self.epochs,
+        )
+
+
+class _Pass:
+    """The backward part of one pass, by kind (see the module docstring)."""
+
+    def __init__(self, engine, model, tape, variables, shared, values, combined,
+                 targets, scale, multiplier, n):
+        self.engine = engine
+        self.model = model
+        self.tape = tape
+        self.variables = variables
+        self.shared = shared
+        self.values = values
+        self.combined = combined
+        self.targets = targets
+        self.scale = scale
+        self.multiplier = multiplier
+        self.n = n
+        self.k = len(engine.task_names)
+
+    def _gradient(self, variables, task_coefficients):
+        """Gradient of `scale * m * (sum_k c_k L_k + L)` for `variables`."""
+        if not variables:
+            return []
+        seed = tf.concat([task_coefficients, [1.0]], axis=0) * self.scale * self.multiplier
+        return self.tape.gradient(self.combined, variables, output_gradients=seed)
+
+    def _split(self, shared_grads, other_grads):
+        shared, others = iter(shared_grads), iter(other_grads)
+        return [next(shared) if on else next(others) for on in self.shared]
+
+    def _by_group(self):
+        shared = [v for v, on in zip(self.variables, self.shared) if on]
+        others = [v for v, on in zip(self.variables, self.shared) if not on]
+        return shared, others
+
+    def weighting(self):
+        engine = self.engine
+        losses = self.values
+        if engine.option.needs_global_losses:
+            losses = true_gradients.sum_over_replicas([losses])[0][0]
+        context = engine.context(self.model, losses)
+        weights = tf.stop_gradient(engine.option.pass_weights(context))
+        grads = self._gradient(self.variables, weights - 1.0)
+        engine.hand_over(self.model, {"losses": self.values}, self.n)
+        return grads
+
+    def rows(self):
+        engine = self.engine
+        shared, others = self._by_group()
+        context = engine.context(self.model, self.values)
+        weights = engine.option.pass_weights(context)
+        coefficients = (
+            tf.stop_gradient(weights) - 1.0 if weights is not None else tf.zeros([self.k])
+        )
+        other_grads = self._gradient(others, coefficients)
+        jac = row_ops.jacobian_rows(self.tape, self.targets, shared, engine.jacobian_method)
+        task_rows = jac[: self.k] / self.scale
+        if jac.shape[0] > self.k:  # the rest of the loss: its ordinary gradient
+            shared_grads = row_ops.split_like(jac[self.k] * self.multiplier, shared)
+        else:
+            shared_grads = [tf.zeros_like(v) for v in shared]
+        engine.hand_over(self.model, {"rows": task_rows, "losses": self.values}, self.n)
+        return self._split(shared_grads, other_grads)
+
+    def conflict(self):
+        engine = self.engine
+        shared, _ = self._by_group()
+        size = sum(v.shape.num_elements() for v in shared)
+        measured = engine._condition(self.model)
+        grads = self._gradient(self.variables, tf.zeros([self.k]))
+
+        def measure():
+            jac = row_ops.jacobian_rows(self.tape, self.targets, shared, engine.jacobian_method)
+            return jac / self.scale
+
+        rows = tf.cond(measured, measure, lambda: tf.zeros([self.k, size]))
+        engine.hand_over(
+            self.model, {"rows": rows, "losses": self.values}, self.n, condition=measured
+        )
+        return grads
+
+    def representation(self):
+        engine = self.engine
+        shared, others = self._by_group()
+        outputs = [t for ts in self._captured() for t in ts]
+        z_rows = row_ops.jacobian_rows(self.tape, self.targets, outputs, engine.jacobian_method)
+        z_rows = z_rows / self.scale
+        packed = tf.concat([tf.reshape(row_ops.gramian(z_rows), [-1]), self.values], axis=0)
+        packed = true_gradients.sum_over_replicas([packed])[0][0]
+        gramian = tf.reshape(packed[: self.k * self.k], [self.k, self.k])
+        context = engine.context(self.model, packed[self.k * self.k:])
+        weights = engine.option.weights(gramian, context)
+        engine.task_metrics.update(weights=weights, gramian=gramian)
+        shared_grads = self._gradient(shared, tf.stop_gradient(weights) - 1.0)
+        other_grads = self._gradient(others, tf.zeros([self.k]))
+        return self._split(shared_grads, other_grads)
+
+    def _captured(self):
+        layer = self.engine.representation
+        outputs = self.captured.get(id(layer), [])
+        if not outputs:
+            raise ValueError(
+                f"MGDA(on='representation') recorded no output of layer "
+                f"{layer.name!r} in the forward pass. Received: representation={layer.name!r}"
+            )
+        return [outputs]
+
+
+def _batch_size(x):
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]

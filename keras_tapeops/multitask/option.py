@@ -1,0 +1,123 @@
+"""`TaskBalancing`: the base of every `compile(task_balancing=...)` option.
+
+An option is immutable configuration (what to do with the tasks); the
+per-model engine (`keras_tapeops.multitask.engine.TaskEngine`) resolves the
+tasks and the shared variables and runs the step. Subclasses say how the
+step's gradient is made (`kind`):
+
+- `"rows"`: the per-task gradients (rows) of the shared variables are
+  computed and reduced by `weights(gramian, context)` to one gradient, once
+  per applied optimizer step (PCGrad, MGDA, CAGrad, IMTL-G, Aligned-MTL,
+  UPGrad, GradNorm);
+- `"weighting"`: one backward pass of the loss with the tasks reweighted by
+  `pass_weights(context)` (uncertainty weighting, DWA, FAMO);
+- `"representation"`: MGDA's upper bound on the shared representation;
+- `"conflict"`: the plain step, with the rows measured now and then
+  (`MeasureConflict`).
+"""
+
+from keras_tapeops import selectors
+from keras_tapeops.multi_gradient import MultiGradientOption
+from keras_tapeops.multitask import tasks as task_resolution
+
+
+class StepContext:
+    """What a method sees when it computes weights or updates its state.
+
+    Attributes:
+        num_tasks: K.
+        losses: `[K]` float32 task losses (mean over the step's samples,
+            `loss_weights` applied), or None.
+        state: dict name -> the engine's variables for this method.
+        step: the optimizer's applied-step count (int64 tensor).
+        seed: an int, fixed per model (random task orders).
+        epochs: the engine's `EpochLosses`, or None.
+    """
+
+    def __init__(self, num_tasks, losses=None, state=None, step=None, seed=0, epochs=None):
+        self.num_tasks = num_tasks
+        self.losses = losses
+        self.state = state or {}
+        self.step = step
+        self.seed = seed
+        self.epochs = epochs
+
+
+class TaskBalancing(MultiGradientOption):
+    """Base class of the multi-task options (`compile(task_balancing=...)`).
+
+    Args:
+        shared: selector of the variables the tasks share (the one path
+            grammar: `"trunk/*"`, a layer, a list, a callable). None: on a
+            functional model, every trainable variable that two or more task
+            outputs depend on.
+        tasks: None (every output with a loss) or a list of output names;
+            other outputs' losses then get the ordinary gradient.
+
+    Example:
+    ```python
+    class EqualWeights(TaskBalancing):
+        kind = "weighting"
+        def pass_weights(self, context):
+            return tf.ones([context.num_tasks])
+    ```
+    """
+
+    option_name = "task_balancing"
+    kind = "rows"
+    takes_shared = True  # False for loss weightings (they touch every variable alike)
+    max_tasks = None  # set by aggregators whose sub-problem grows as 2^K
+    needs_epochs = False  # DWA and GradNorm read per-epoch task losses
+    needs_global_losses = False  # pass weights from this pass's losses summed over replicas
+    logs_weights = True
+
+    def __init__(self, shared=None, tasks=None):
+        if self.takes_shared:
+            self.shared = _validate_shared(shared)
+        self.tasks = task_resolution.validate_tasks(tasks)
+
+    def bind(self, model, tree):
+        from keras_tapeops.multitask.engine import TaskEngine
+
+        return TaskEngine(self, model, tree)
+
+    # -------------------------------------------------------- method hooks
+    def initial_state(self, num_tasks):
+        """Learned state: dict name -> initial float32 array (engine variables, saved)."""
+        return {}
+
+    def pass_weights(self, context):
+        """`[K]` multipliers of the task losses in the backward pass, or None (all 1)."""
+        return None
+
+    def weights(self, gramian, context):
+        """`[K]` weights of the rows from their `[K, K]` Gramian ("rows" kind)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement weights().")
+
+    def update(self, context, gramian=None):
+        """Updates the learned state once per applied step (after the gradient is made)."""
+
+    def micro_batch_refusal(self, replicas):
+        """Why `micro_batches > 1` cannot be used with `replicas` replicas, or None."""
+        return None
+
+    # ------------------------------------------------------------- config
+    def get_config(self):
+        config = {"tasks": list(self.tasks) if self.tasks is not None else None}
+        if self.takes_shared:
+            config["shared"] = selectors.serialize_selector(self.shared)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if "shared" in config:
+            config["shared"] = selectors.deserialize_selector(config["shared"])
+        return cls(**config)
+
+
+def _validate_shared(shared):
+    try:
+        return selectors.validate_selector(shared)
+    except (TypeError, ValueError) as error:
+        raise type(error)(task_resolution._as_shared(str(error))) from None
