@@ -1,0 +1,25 @@
+"""Differential privacy for `fit` (`kt.privacy.*`): DP-SGD's sampling and accounting.
+
+`kt.DPSGD` (a `compile(differential_privacy=...)` option) clips every
+example's gradient and adds Gaussian noise once per step; this module holds
+what surrounds it:
+
+- `poisson_batches(dataset, sampling_rate, seed)`: Poisson-sampled batches,
+  padded to one size with a mask (one traced step);
+- `epsilon(steps, sampling_rate, noise_multiplier, delta, accountant)` and
+  `noise_multiplier_for(target_epsilon, ...)`: accounting on Google's
+  `dp-accounting` package (`pip install keras-tapeops[privacy]`).
+
+Internals, one concern per file: `dpsgd.py` (the option), `engine.py` (the
+per-model step), `sites.py` (which layer owns which variable, recording),
+`ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`,
+`ghost_layer_norm.py` (per-example norms per layer family),
+`vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`.
+See docs/privacy.md for what is guaranteed.
+"""
+
+from keras_tapeops.privacy.accounting import epsilon
+from keras_tapeops.privacy.accounting import noise_multiplier_for
+from keras_tapeops.privacy.poisson import poisson_batches
+
+__all__ = ["epsilon", "noise_multiplier_for", "poisson_batches"]

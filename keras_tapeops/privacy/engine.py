@@ -1,0 +1,339 @@
+"""DP-SGD's per-model engine: clipped per-example gradients, then noise once per step.
+
+One (micro-)batch, one forward pass (`batch_gradients`):
+
+1. the model runs forward on a persistent tape while every layer owning
+   trainable variables (a "site") records its inputs and its pre-activation
+   output `z` (`sites.Recorder`);
+2. the per-example losses `l_i` (`keras_tapeops.per_example`) are summed
+   (times the loss scale) and ONE backward pass gives the gradient with
+   respect to every `z` (not the variables);
+3. each site's rule turns its records and output gradients into per-example
+   squared norms (ghost norms, or per-example gradients where that is
+   cheaper, or the vectorized fallback) and a clip-weighted sum
+   `sum_i c_i g_i`, with `c_i = min(1, C / ||g_i||)` from the norms of the
+   whole gradient (all variables): the clipped sum is the gradient of
+   `sum_i c_i l_i` without a second backward pass (book-keeping);
+4. the per-replica clipped sums go through the step's pipeline
+   (micro-batches, accumulation windows, the all-reduce) as sums.
+
+Once per applied step (`finalize`, on true gradients summed over replicas),
+Gaussian noise of standard deviation `C * noise_multiplier` is added to the
+sum, which is divided by the step's number of samples (rows of the global
+batch, or of the accumulation window), and the gradient of the weight
+regularizers (data-independent) is added. The gradient transforms and the
+optimizer then see it like any gradient.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import _keras_private as private
+from keras_tapeops import true_gradients
+from keras_tapeops.multi_gradient import MultiGradientState
+from keras_tapeops.per_example import per_example_losses
+from keras_tapeops.privacy import noise
+from keras_tapeops.privacy import sites as sites_lib
+from keras_tapeops.privacy.ghost_conv import ConvRule
+from keras_tapeops.privacy.ghost_dense import DenseRule
+from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
+from keras_tapeops.privacy.ghost_embedding import EmbeddingRule
+from keras_tapeops.privacy.ghost_layer_norm import LayerNormRule
+from keras_tapeops.privacy.rules import Context
+from keras_tapeops.privacy.vectorized import VectorizedRule
+from keras_tapeops.privacy.vectorized import rows_parts
+
+AUTO_RULES = (DenseRule, EinsumDenseRule, EmbeddingRule, ConvRule, LayerNormRule)
+
+
+class DPSGDState(MultiGradientState):
+    """What one model resolved from a `kt.DPSGD`: its sites and step counter.
+
+    Args:
+        option: the `kt.DPSGD`.
+        model: the model being compiled (inside its strategy scope).
+    """
+
+    def __init__(self, option, model):
+        super().__init__()
+        self.option = option
+        self.seed = option.seed if option.seed is not None else noise.fresh_seed()
+        self.sites = None
+        self.orphans = []
+        self.methods = {}  # (path, variable name) -> method, filled at trace time
+        # Samples (rows) added since the last applied step, per replica; not
+        # saved with the model (it is zero between steps).
+        self.samples = tf.Variable(
+            0.0, trainable=False, name="dp_samples",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+
+    # ---------------------------------------------------------------- binding
+    def bind_variables(self, model, variables, tree):
+        rule_for = self._rule_for
+        self.sites, self.orphans = sites_lib.discover(model, variables, rule_for, tree)
+        self.methods = {}
+
+    def _rule_for(self, layer):
+        if self.option.method == "vectorized":
+            return VectorizedRule
+        return next((rule for rule in AUTO_RULES if rule.applies(layer)), VectorizedRule)
+
+    # ------------------------------------------------------------------ batch
+    def check_batch(self, model, x, y, sample_weight):
+        if sample_weight is not None:
+            flat = tf.nest.flatten(sample_weight)
+            if len(flat) != 1 or flat[0].dtype != tf.bool:
+                dtypes = sorted({t.dtype.name for t in flat})
+                raise ValueError(
+                    "DPSGD does not support sample_weight or class_weight: a "
+                    "weight scales an example's gradient, so the bound "
+                    "l2_norm_clip on each example's contribution, which the "
+                    "privacy guarantee rests on, would no longer hold. Train "
+                    "on unweighted data (resample instead of weighting). A "
+                    "boolean sample_weight is read as a mask of real "
+                    "examples (kt.privacy.poisson_batches pads batches with "
+                    f"one). Received: sample_weight of dtype {dtypes}"
+                )
+        options = model.tapeops_options
+        if options is not None and options.loss_terms:
+            names = [term.name for term in options.loss_terms]
+            raise ValueError(
+                "DPSGD cannot be combined with `loss_terms`: a loss term is "
+                "computed from the whole batch, so it has no per-example "
+                "gradient to clip. Received: loss_terms with names "
+                f"{names}"
+            )
+        if y is None:
+            raise ValueError(
+                "DPSGD needs targets to compute one loss per example. "
+                "Received: y=None"
+            )
+
+    def batch_gradients(self, model, x, y, sample_weight, loss_multiplier=None):
+        parts, losses, y_pred = self.forward_parts(model, x, y)
+        mask = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        n = tf.shape(losses)[0]
+        self._log_loss(model, losses, mask, n)
+        squared = tf.add_n([p.squared_norms for p in parts.values()])
+        clip = tf.cast(self.option.l2_norm_clip, tf.float32)
+        weights = tf.minimum(1.0, clip / tf.sqrt(squared))
+        if mask is not None:
+            weights = weights * mask
+        weights = weights * self._sum_factor(model, n, loss_multiplier)
+        grads = []
+        for variable in model.trainable_weights:
+            part = parts.get(id(variable))
+            grads.append(None if part is None else _as_dtype(part.weighted(weights), variable.dtype))
+        self.samples.assign_add(tf.cast(n, tf.float32))
+        return grads, y_pred
+
+    def forward_parts(self, model, x, y):
+        """One forward and one backward pass: every variable's per-example `Part`.
+
+        Args:
+            model: the compiled model.
+            x, y: the (micro-)batch.
+
+        Returns:
+            `(parts, losses, y_pred)`: `id(variable) -> Part` (per-example
+            squared norms and the clip-weighted sum), the `[B]` per-example
+            losses, and the model's outputs.
+        """
+        if self.sites is None:
+            _build(model, x)
+        trainable = list(model.trainable_weights)
+        scale = true_gradients.loss_scale(model.optimizer) if model.optimizer is not None else None
+        scale = tf.constant(1.0) if scale is None else tf.cast(scale, tf.float32)
+        tape = tf.GradientTape(persistent=True)
+        with tape:
+            with sites_lib.Recorder(self.sites, trainable) as recorder:
+                y_pred = private.call_model(model, x, training=True)
+                losses = per_example_losses(model, y, y_pred)
+            _check_added_losses(model)
+            scaled = losses * scale
+            objective = tf.reduce_sum(scaled)
+        parts = self._parts(model, tape, recorder, objective, scaled, scale)
+        return parts, losses, y_pred
+
+    def _parts(self, model, tape, recorder, objective, scaled, scale):
+        """`id(variable) -> Part` for every trainable variable the forward pass used."""
+        global_variables = list(self.orphans) + [
+            v for v in recorder.foreign.values() if all(v is not o for o in self.orphans)
+        ]
+        global_ids = {id(v) for v in global_variables}
+        called = [s for s in self.sites if recorder.invocations[id(s.layer)]]
+        flat_z = [
+            z for s in called for record in recorder.invocations[id(s.layer)] for z in record["z"]
+        ]
+        flat_grads = tape.gradient(
+            objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        context = Context(tape, scale, bool(model.jit_compile))
+        parts = {}
+        position = 0
+        for site in called:
+            records = recorder.invocations[id(site.layer)]
+            grads = []
+            for record in records:
+                grads.append(flat_grads[position:position + len(record["z"])])
+                position += len(record["z"])
+            for vid, part in site.rule.clip(site, records, grads, context).items():
+                if vid in global_ids:
+                    continue
+                parts[vid] = part
+                self.methods[(site.path, _name_of(site, vid))] = (
+                    f"{site.rule.family}: {part.method}"
+                )
+        if global_variables:
+            used = [v for v in global_variables if any(v is t for t in model.trainable_weights)]
+            for vid, part in rows_parts(tape, scaled, used, scale, sites_lib.GLOBAL).items():
+                parts[vid] = part
+            for v in used:
+                self.methods[("(read outside its layer)", v.path)] = sites_lib.GLOBAL
+        if not parts:
+            raise ValueError(
+                "DPSGD found no trainable variable used by the forward pass. "
+                f"Received: model={model.name!r}"
+            )
+        return parts
+
+    def _sum_factor(self, model, n, loss_multiplier):
+        """What the clipped sum is multiplied by so the step's pipeline keeps it a sum.
+
+        Without accumulation, micro-batch sums add up to the batch's sum (the
+        loss multiplier is not applied to a sum). An accumulation window
+        multiplies each batch by its sample count and divides by the
+        window's; `finalize` undoes the window's factor.
+        """
+        options = model.tapeops_options
+        if options is None or options.accumulation_steps == 1:
+            return tf.constant(1.0)
+        multiplier = 1.0 if loss_multiplier is None else tf.cast(loss_multiplier, tf.float32)
+        return tf.math.divide_no_nan(multiplier, tf.cast(n, tf.float32))
+
+    def _log_loss(self, model, losses, mask, n):
+        """Logs the batch's loss as stock Keras does (mean over rows + regularization)."""
+        if not model._tapeops_logging:
+            return
+        values = losses if mask is None else losses * mask
+        mean = tf.math.divide_no_nan(tf.reduce_sum(values), tf.cast(n, tf.float32))
+        value = mean + regularization(model.trainable_weights)
+        private.loss_tracker(model).update_state(value, sample_weight=n)
+
+    # ------------------------------------------------------------------- step
+    def finalize(self, model, grads, variables):
+        samples, key = noise.replica_sums(self.samples.read_value(), self.seed)
+        self.samples.assign(0.0)
+        options = model.tapeops_options
+        factor = tf.constant(1.0)
+        if options is not None and options.accumulation_steps > 1:
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            factor = samples / float(replicas)
+        stddev = self.option.l2_norm_clip * self.option.noise_multiplier
+        step = model.optimizer.iterations
+        out = []
+        for index, (grad, variable) in enumerate(zip(grads, variables)):
+            if grad is None:
+                out.append(None)
+                continue
+            total = tf.cast(tf.convert_to_tensor(grad), tf.float32) * factor
+            if stddev > 0:
+                total = total + noise.gaussian(tf.shape(total), key, step, index, stddev)
+            out.append(tf.math.divide_no_nan(total, samples))
+        out = _add_regularization(out, variables)
+        return [None if g is None else tf.cast(g, v.dtype) for g, v in zip(out, variables)]
+
+    # ----------------------------------------------------------------- report
+    def report(self):
+        """How each trainable variable's per-example norm is computed.
+
+        Returns:
+            A list of `(layer path, variable name, method)` rows. Methods
+            chosen from shapes (ghost or per-example) are known once the
+            first step has been traced; before that the rule family is shown.
+        """
+        if self.sites is None:
+            return []
+        rows = []
+        for site in self.sites:
+            for variable in site.variables:
+                key = (site.path, variable.name)
+                method = self.methods.get(key, f"{site.rule.family}: (chosen at the first step)")
+                rows.append((site.path, variable.name, method))
+        for (path, name), method in self.methods.items():
+            if method == sites_lib.GLOBAL:
+                rows.append((path, name, method))
+        return rows
+
+
+def regularization(variables):
+    """The sum of the variables' weight regularizers (float32), as Keras adds them."""
+    values = [
+        tf.cast(tf.reduce_sum(v.regularizer(v)), tf.float32)
+        for v in variables
+        if getattr(v, "regularizer", None) is not None
+    ]
+    return tf.add_n(values) if values else tf.constant(0.0)
+
+
+def _add_regularization(grads, variables):
+    """Adds the gradient of the weight regularizers (data-independent: no clipping, no noise)."""
+    regularized = [
+        i for i, v in enumerate(variables) if getattr(v, "regularizer", None) is not None
+    ]
+    if not regularized:
+        return grads
+    with tf.GradientTape() as tape:
+        total = regularization([variables[i] for i in regularized])
+    extra = tape.gradient(total, [variables[i] for i in regularized])
+    out = list(grads)
+    for i, g in zip(regularized, extra):
+        if g is None:
+            continue
+        g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+        out[i] = g if out[i] is None else out[i] + g
+    return out
+
+
+def _check_added_losses(model):
+    """Refuses losses added in the forward pass (`add_loss`, activity regularizers)."""
+    regularized = sum(
+        1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None
+    )
+    extra = len(model.losses) - regularized
+    if extra > 0:
+        raise ValueError(
+            "DPSGD cannot clip losses added in the forward pass (add_loss, "
+            "activity_regularizer): they are computed from the whole batch, "
+            "so they have no per-example gradient. Weight regularizers are "
+            "fine. Received: "
+            f"{extra} added loss(es) in model {model.name!r}"
+        )
+
+
+def _name_of(site, variable_id):
+    for variable in site.variables:
+        if id(variable) == variable_id:
+            return variable.name
+    return "?"
+
+
+def _as_dtype(grad, dtype):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
+def _build(model, x):
+    """Builds a model not built yet from `x`'s shapes, then binds the engine."""
+    if not model.built:
+        model(tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
+    state = model.build_tapeops()
+    engine = state.engine if state is not None else None
+    if engine is None or engine.sites is None:
+        raise ValueError(
+            "DPSGD could not find the model's variables before its first "
+            f"step. Build the model first. Received: model={model.name!r}"
+        )

@@ -1,0 +1,234 @@
+"""Ghost norms for Dense and EinsumDense (sequence inputs included).
+
+For one example with inputs `A` (`[T, P]`: T positions, P input features)
+and output gradients `G` (`[T, O]`), the kernel's gradient is `A^T G` and
+
+    ||A^T G||_F^2 = <A A^T, G G^T>          (the "ghost" norm: T x T Gramians)
+
+which never forms the `P x O` per-example gradient. With one position (an
+MLP) it is `||a||^2 ||g||^2`. When `T (P + O) >= P O` materializing the
+per-example gradient is cheaper, and the rule does that instead (mixed ghost
+clipping, Bu et al. 2022), per layer, from its static shapes.
+
+The clipped sum is computed from the same tensors (book-keeping, Bu et al.
+2023): `sum_i c_i A_i^T G_i = A^T (c * G)`, one matmul, no second backward
+pass. Biases are materialized per example (`sum_t G_t`: small).
+
+EinsumDense equations are read as `batch + S + C, C + O -> batch + S + O`
+(S: positions kept, C: contracted features, O: output features), which
+covers Keras's and MultiHeadAttention's projections; another layout uses the
+vectorized fallback.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops.privacy.rules import Part
+from keras_tapeops.privacy.rules import float32
+from keras_tapeops.privacy.rules import split_activation
+from keras_tapeops.privacy.rules import stock_call
+
+
+def matmul_parts(a, g, scale, kernel_from_matrix):
+    """The kernel `Part` of a layer whose per-example kernel gradient is `A^T G`.
+
+    Args:
+        a: `[B, T, P]` float32 inputs (positions flattened).
+        g: `[B, T, O]` float32 gradients of the loss-scaled objective.
+        scale: the loss scale (float32 scalar).
+        kernel_from_matrix: callable `[P, O] matrix -> kernel-shaped tensor`.
+
+    Returns:
+        A `Part`: ghost (Gramians) or per-example materialization, whichever
+        costs fewer multiplications for these static shapes.
+    """
+    t, p, o = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        squared = tf.reduce_sum(a * a, [1, 2]) * tf.reduce_sum(g * g, [1, 2])
+        method = "ghost"
+    elif t is not None and t * (p + o) < p * o:
+        gram_a = tf.einsum("btp,bsp->bts", a, a)
+        gram_g = tf.einsum("bto,bso->bts", g, g)
+        squared = tf.reduce_sum(gram_a * gram_g, [1, 2])
+        method = "ghost"
+    else:
+        per_example = tf.einsum("btp,bto->bpo", a, g)
+        squared = tf.reduce_sum(per_example * per_example, [1, 2])
+        method = "per-example"
+    squared = squared / (scale * scale)
+
+    def weighted(c):
+        flat_a = tf.reshape(a, [-1, p])
+        flat_g = tf.reshape(g * c[:, None, None], [-1, o])
+        return kernel_from_matrix(tf.matmul(flat_a, flat_g, transpose_a=True))
+
+    return Part(squared, weighted, method)
+
+
+def per_example_part(rows, scale, shape, method="per-example"):
+    """A `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled)."""
+    flat = tf.reshape(rows, [tf.shape(rows)[0], -1])
+    squared = tf.reduce_sum(flat * flat, 1) / (scale * scale)
+
+    def weighted(c):
+        return tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
+
+    return Part(squared, weighted, method)
+
+
+def positions(tensor, features):
+    """`tensor` (`[B, ..., features]`) as float32 `[B, T, features]`, T static if known."""
+    t = static_product(tensor.shape[1:-1])
+    shape = [tf.shape(tensor)[0], t if t is not None else -1, features]
+    return tf.reshape(float32(tensor), shape)
+
+
+def first_input(args, kwargs):
+    return args[0] if args else kwargs["inputs"]
+
+
+class DenseRule:
+    """Ghost norms for `keras.layers.Dense` (any input rank)."""
+
+    family = "Dense"
+
+    @staticmethod
+    def applies(layer):
+        return isinstance(layer, keras.layers.Dense) and stock_call(layer, keras.layers.Dense)
+
+    @staticmethod
+    def forward(layer, original, args, kwargs):
+        outputs, z = split_activation(layer, original, args, kwargs)
+        return outputs, {"a": first_input(args, kwargs), "z": [z]}
+
+    @staticmethod
+    def clip(site, records, grads, context):
+        layer = site.layer
+        d_in, d_out = layer.kernel.shape
+        a = tf.concat([positions(r["a"], d_in) for r in records], axis=1)
+        g = tf.concat([positions(gz[0], d_out) for gz in grads], axis=1)
+        parts = {}
+        kernel = layer.kernel
+        parts[id(kernel)] = matmul_parts(a, g, context.scale, lambda m: m)
+        if layer.bias is not None:
+            parts[id(layer.bias)] = per_example_part(
+                tf.reduce_sum(g, 1), context.scale, layer.bias.shape
+            )
+        return parts
+
+
+class EinsumDenseRule:
+    """Ghost norms for `keras.layers.EinsumDense` (MultiHeadAttention's projections)."""
+
+    family = "EinsumDense"
+
+    @staticmethod
+    def applies(layer):
+        return (
+            isinstance(layer, keras.layers.EinsumDense)
+            and stock_call(layer, keras.layers.EinsumDense)
+            and layout(layer.equation, None) is not None
+        )
+
+    @staticmethod
+    def forward(layer, original, args, kwargs):
+        outputs, z = split_activation(layer, original, args, kwargs)
+        return outputs, {"a": first_input(args, kwargs), "z": [z]}
+
+    @staticmethod
+    def clip(site, records, grads, context):
+        layer = site.layer
+        kernel = layer.kernel
+        pieces_a, pieces_g, bias_rows = [], [], []
+        spec = None
+        for record, (gz,) in zip(records, grads):
+            a, g = float32(record["a"]), float32(gz)
+            spec = layout(layer.equation, a.shape.rank)
+            a_t = tf.transpose(a, [spec.inp.index(x) for x in spec.batch + spec.kept + spec.contracted])
+            g_t = tf.transpose(g, [spec.out.index(x) for x in spec.batch + spec.kept + spec.produced])
+            pieces_a.append(_flatten_groups(a_t, len(spec.kept), len(spec.contracted)))
+            pieces_g.append(_flatten_groups(g_t, len(spec.kept), len(spec.produced)))
+            if layer.bias is not None:
+                axes = [i for i, x in enumerate(spec.out) if i > 0 and x not in layer.bias_axes]
+                rows = tf.reduce_sum(g, axes) if axes else g
+                bias_rows.append(tf.reshape(rows, [tf.shape(g)[0], -1]))
+        order = spec.contracted + spec.produced
+        dims = [kernel.shape[spec.ker.index(x)] for x in order]
+        perm = [order.index(x) for x in spec.ker]
+
+        def kernel_from_matrix(matrix):
+            return tf.transpose(tf.reshape(matrix, dims), perm)
+
+        a = tf.concat(pieces_a, axis=1)
+        g = tf.concat(pieces_g, axis=1)
+        parts = {id(kernel): matmul_parts(a, g, context.scale, kernel_from_matrix)}
+        if layer.bias is not None:
+            parts[id(layer.bias)] = per_example_part(
+                tf.add_n(bias_rows), context.scale, layer.bias.shape
+            )
+        return parts
+
+
+def _flatten_groups(tensor, n_kept, n_features):
+    """`[B, kept..., features...]` -> `[B, prod(kept), prod(features)]` (static where known)."""
+    shape = tensor.shape
+    kept = static_product(shape[1:1 + n_kept])
+    features = static_product(shape[1 + n_kept:1 + n_kept + n_features])
+    return tf.reshape(tensor, [tf.shape(tensor)[0], kept if kept is not None else -1, features])
+
+
+def static_product(dims):
+    out = 1
+    for dim in dims:
+        if dim is None:
+            return None
+        out *= dim
+    return out
+
+
+class _Layout:
+    def __init__(self, inp, ker, out, batch, kept, contracted, produced):
+        self.inp, self.ker, self.out = inp, ker, out
+        self.batch, self.kept = batch, kept
+        self.contracted, self.produced = contracted, produced
+
+
+def layout(equation, input_rank):
+    """Reads an EinsumDense equation as `b S C, C O -> b S O`, or None if it is not one.
+
+    Args:
+        equation: e.g. `"abc,cde->abde"` or `"...b,bc->...c"`.
+        input_rank: the input's rank (to expand `...`), or None to check the
+            form only.
+
+    Returns:
+        A layout with strings `inp`, `ker`, `out` (ellipsis expanded) and
+        the letter groups `batch`, `kept` (S), `contracted` (C), `produced` (O).
+    """
+    inp, rest = equation.replace(" ", "").split(",")
+    ker, out = rest.split("->")
+    if "..." in ker:
+        return None
+    if "..." in inp or "..." in out:
+        if "..." not in inp or "..." not in out:
+            return None
+        n = 1 if input_rank is None else input_rank - (len(inp) - 3)
+        free = [x for x in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if x not in equation][:n]
+        inp = inp.replace("...", "".join(free))
+        out = out.replace("...", "".join(free))
+    if not inp or len(set(inp)) != len(inp) or len(set(out)) != len(out):
+        return None
+    batch = inp[0]
+    if batch not in out or batch in ker:
+        return None
+    contracted = "".join(x for x in inp if x in ker and x not in out)
+    kept = "".join(x for x in inp if x in out and x not in ker and x != batch)
+    produced = "".join(x for x in ker if x in out and x not in inp)
+    if (
+        set(inp) != set(batch + kept + contracted)
+        or set(ker) != set(contracted + produced)
+        or set(out) != set(batch + kept + produced)
+        or len(set(ker)) != len(ker)
+    ):
+        return None
+    return _Layout(inp, ker, out, batch, kept, contracted, produced)

@@ -1,0 +1,82 @@
+"""Ghost norms for Embedding (repeated ids included).
+
+One example's gradient of the table has, in row `v`, the sum of the output
+gradients `g_t` at the positions `t` whose id is `v`. Its squared norm is
+
+    sum_{t, s : id_t == id_s} <g_t, g_s>
+
+(a `T x T` Gramian masked by equal ids), computed without forming the
+`vocabulary x dim` per-example gradient. For long sequences (T > 256, outside
+XLA) the positions are grouped by `(example, id)` instead (a segment sum,
+linear in T). The clipped sum is `tf.IndexedSlices` of `c_i g_t` at the ids,
+like the stock gradient of an embedding lookup.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops.privacy.rules import Part
+from keras_tapeops.privacy.rules import float32
+from keras_tapeops.privacy.rules import stock_call
+
+GRAM_MAX_POSITIONS = 256
+
+
+class EmbeddingRule:
+    """Ghost norms for `keras.layers.Embedding`."""
+
+    family = "Embedding"
+
+    @staticmethod
+    def applies(layer):
+        return isinstance(layer, keras.layers.Embedding) and stock_call(
+            layer, keras.layers.Embedding
+        )
+
+    @staticmethod
+    def forward(layer, original, args, kwargs):
+        outputs = original(*args, **kwargs)
+        ids = args[0] if args else kwargs["inputs"]
+        return outputs, {"ids": ids, "z": [outputs]}
+
+    @staticmethod
+    def clip(site, records, grads, context):
+        table = site.layer.embeddings
+        dim = table.shape[-1]
+        ids = tf.concat(
+            [tf.reshape(tf.cast(r["ids"], tf.int64), [tf.shape(r["ids"])[0], -1]) for r in records],
+            axis=1,
+        )
+        g = tf.concat(
+            [tf.reshape(float32(gz[0]), [tf.shape(gz[0])[0], -1, dim]) for gz in grads], axis=1
+        )
+        positions = ids.shape[1]
+        if positions == 1:
+            squared = tf.reduce_sum(g * g, [1, 2])
+        elif context.jit or (positions is not None and positions <= GRAM_MAX_POSITIONS):
+            same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32)
+            squared = tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), [1, 2])
+        else:
+            squared = _grouped_squared_norms(ids, g, table.shape[0])
+        squared = squared / (context.scale * context.scale)
+
+        def weighted(c):
+            values = tf.reshape(g * c[:, None, None], [-1, dim])
+            return tf.IndexedSlices(
+                values, tf.reshape(ids, [-1]), tf.shape(table, out_type=tf.int64)
+            )
+
+        return {id(table): Part(squared, weighted, "ghost")}
+
+
+def _grouped_squared_norms(ids, g, vocabulary):
+    """Per-example `sum_v ||sum_{t: id_t = v} g_t||^2` by a segment sum over `(example, id)`."""
+    batch = tf.shape(ids, out_type=tf.int64)[0]
+    example = tf.broadcast_to(tf.range(batch)[:, None], tf.shape(ids, out_type=tf.int64))
+    keys = tf.reshape(example * vocabulary + ids, [-1])
+    unique, segment = tf.unique(keys)
+    sums = tf.math.unsorted_segment_sum(
+        tf.reshape(g, [-1, g.shape[-1]]), segment, tf.shape(unique)[0]
+    )
+    owner = unique // vocabulary
+    return tf.math.unsorted_segment_sum(tf.reduce_sum(sums * sums, 1), owner, batch)

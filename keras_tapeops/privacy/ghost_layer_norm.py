@@ -1,0 +1,69 @@
+"""Per-example norms for LayerNormalization from its input and output gradient.
+
+The layer computes `y = x_hat * gamma + beta` with `x_hat` the input
+normalized over `axis`. One example's gradients are `sum x_hat * g` (gamma)
+and `sum g` (beta), summed over the axes that are neither the batch nor
+`axis`: as small as the parameters, so they are formed per example directly
+from the recorded input (normalized again, in float32, as Keras does) and the
+output gradient, without a second backward pass. With the deprecated
+`rms_scaling=True`, Keras ignores beta; so does this rule.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops.privacy.ghost_dense import first_input
+from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.rules import float32
+from keras_tapeops.privacy.rules import stock_call
+
+
+class LayerNormRule:
+    """Per-example norms for `keras.layers.LayerNormalization`."""
+
+    family = "LayerNormalization"
+
+    @staticmethod
+    def applies(layer):
+        return isinstance(layer, keras.layers.LayerNormalization) and stock_call(
+            layer, keras.layers.LayerNormalization
+        )
+
+    @staticmethod
+    def forward(layer, original, args, kwargs):
+        outputs = original(*args, **kwargs)
+        return outputs, {"a": first_input(args, kwargs), "z": [outputs]}
+
+    @staticmethod
+    def clip(site, records, grads, context):
+        layer = site.layer
+        gamma_rows, beta_rows = [], []
+        for record, (gz,) in zip(records, grads):
+            x = float32(record["a"])
+            g = float32(gz)
+            rank = x.shape.rank
+            axes = sorted(a % rank for a in (layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]))
+            summed = [i for i in range(1, rank) if i not in axes]
+            beta_rows.append(tf.reduce_sum(g, summed) if summed else g)
+            if layer.gamma is not None:
+                x_hat = _normalized(layer, x, axes)
+                gamma_rows.append(tf.reduce_sum(x_hat * g, summed) if summed else x_hat * g)
+        parts = {}
+        if layer.gamma is not None:
+            parts[id(layer.gamma)] = per_example_part(
+                tf.add_n(gamma_rows), context.scale, layer.gamma.shape
+            )
+        if layer.beta is not None and not layer.rms_scaling:
+            parts[id(layer.beta)] = per_example_part(
+                tf.add_n(beta_rows), context.scale, layer.beta.shape
+            )
+        return parts
+
+
+def _normalized(layer, x, axes):
+    """`x` normalized as `keras.ops.layer_normalization` does, without gamma and beta."""
+    if layer.rms_scaling:
+        variance = tf.math.reduce_variance(x, axis=axes, keepdims=True)
+        return x * tf.math.rsqrt(variance + layer.epsilon)
+    mean, variance = tf.nn.moments(x, axes=axes, keepdims=True)
+    return (x - mean) * tf.math.rsqrt(variance + layer.epsilon)

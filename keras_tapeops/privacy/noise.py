@@ -1,0 +1,62 @@
+"""DP-SGD's Gaussian noise: drawn once per applied step, equal on every replica.
+
+The noise of step `t` is a stateless normal keyed by `(seed, t, variable
+index)`, `t = optimizer.iterations`: every replica (and every worker) draws
+the same tensor, so two replicas equal one device, and a run with a given
+seed is reproducible. Without a seed, each `compile()` draws a fresh 52-bit
+seed from the operating system; under `tf.distribute` the first replica's
+seed is used everywhere (shared in the step's one small all-reduce).
+"""
+
+import secrets
+
+import tensorflow as tf
+
+_HALF_BITS = 26  # a 52-bit seed travels exactly as two float64 halves
+
+
+def fresh_seed():
+    """A random 52-bit seed from the operating system's entropy."""
+    return secrets.randbits(2 * _HALF_BITS)
+
+
+def seed_halves(seed):
+    """`(high, low)` 26-bit halves of a seed (Python ints)."""
+    seed = int(seed) % (1 << (2 * _HALF_BITS))
+    return seed >> _HALF_BITS, seed & ((1 << _HALF_BITS) - 1)
+
+
+def replica_sums(local_count, seed):
+    """The global sample count of the step and the seed of the first replica.
+
+    One all-reduce of three float64 numbers, in replica context (none
+    outside `tf.distribute` or with one replica).
+
+    Args:
+        local_count: this replica's sample count (float32 scalar).
+        seed: this replica's seed (Python int).
+
+    Returns:
+        `(count, key)`: the float32 global count and an int64 `[2]` key.
+    """
+    high, low = seed_halves(seed)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return local_count, tf.constant([high, low], tf.int64)
+    first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float64)
+    local = tf.stack([tf.cast(local_count, tf.float64), first * high, first * low])
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.cast(total[0], tf.float32), tf.cast(total[1:], tf.int64)
+
+
+def gaussian(shape, key, step, index, stddev):
+    """A `N(0, stddev^2)` float32 tensor keyed by `(key, step, index)`.
+
+    Example:
+    ```python
+    gaussian([3], tf.constant([1, 2], tf.int64), step=0, index=0, stddev=1.1)
+    ```
+    """
+    key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+    key = tf.random.experimental.stateless_fold_in(key, index)
+    return tf.random.stateless_normal(shape, key, stddev=stddev, dtype=tf.float32)

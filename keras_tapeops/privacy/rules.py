@@ -1,0 +1,85 @@
+"""The protocol of a clipping rule: how one site yields per-example norms and the clipped sum.
+
+A rule (one per layer family: `ghost_dense`, `ghost_embedding`, `ghost_conv`,
+`ghost_layer_norm`, and the `vectorized` fallback) has two steps:
+
+- `forward(layer, original_call, args, kwargs) -> (outputs, record)`: runs
+  the layer in the forward pass and records what it needs (its inputs, and
+  `record["z"]`: the tensors whose gradient the backward pass computes, e.g.
+  a Dense layer's pre-activation output);
+- `clip(site, records, grads_z, context) -> {id(variable): Part}`: from the
+  records and the gradients of the (loss-scaled) objective with respect to
+  each `z`, every variable's per-example squared norms (true units, float32)
+  and a function giving the clipped sum `sum_i c_i g_i` (loss-scaled units).
+
+The per-example squared norm of the whole gradient is the sum of the parts'
+norms, over every variable of every site: norms add over variables.
+"""
+
+import tensorflow as tf
+
+
+class Part:
+    """One variable's per-example squared norms and its clip-weighted sum.
+
+    Args:
+        squared_norms: `[B]` float32, `||d loss_i / d variable||^2`.
+        weighted: callable `c ([B] float32) -> gradient` giving
+            `scale * sum_i c_i * d loss_i / d variable` (a tensor shaped like
+            the variable, or `tf.IndexedSlices`), float32.
+        method: how the norms were computed ("ghost", "per-example", ...).
+    """
+
+    def __init__(self, squared_norms, weighted, method):
+        self.squared_norms = squared_norms
+        self.weighted = weighted
+        self.method = method
+
+
+class Context:
+    """What every rule's `clip` may use besides its records.
+
+    Attributes:
+        tape: the persistent tape of the forward pass.
+        scale: the loss scale the objective was multiplied by (float32).
+        jit: True when the step is compiled with XLA (static shapes only).
+    """
+
+    def __init__(self, tape, scale, jit):
+        self.tape = tape
+        self.scale = tf.cast(scale, tf.float32)
+        self.jit = jit
+
+
+def float32(tensor):
+    return tf.cast(tensor, tf.float32)
+
+
+def split_activation(layer, original, args, kwargs):
+    """Calls a layer whose `call` ends with `self.activation(x)`, without it.
+
+    Returns `(outputs, z)`: `z` is the pre-activation output (the tensor
+    whose gradient ghost clipping needs) and `outputs = activation(z)`, what
+    the stock call returns.
+    """
+    activation = layer.activation
+    # object.__setattr__: Keras's attribute tracking need not see the swap.
+    object.__setattr__(layer, "activation", None)
+    try:
+        z = original(*args, **kwargs)
+    finally:
+        object.__setattr__(layer, "activation", activation)
+    outputs = activation(z) if activation is not None else z
+    return outputs, z
+
+
+def stock_call(layer, base):
+    """True if `layer` runs `base`'s `call` (subclasses that override it do not)."""
+    return type(layer).call is base.call and not _lora_or_quantized(layer)
+
+
+def _lora_or_quantized(layer):
+    if getattr(layer, "lora_enabled", False):
+        return True
+    policy = getattr(layer, "dtype_policy", None)
+    return getattr(policy, "quantization_mode", None) is not None
