@@ -159,3 +159,24 @@ def test_adapt_equals_hand_adaptation_and_keeps_the_weights(variant):
     default = meta.adapt(data[0][0], data[1][0])
     two = oracle.adapt(data[0][0], data[1][0], steps=2)
     assert max_difference(default.get_weights(), [e.numpy() for e in two]) < ATOL
+
+
+class MapFnLearner(kt.MetaLearner):
+    """Tasks one after another (`tf.map_fn`) instead of vectorized."""
+
+    def map_tasks(self, fn, elements):
+        first = fn(tf.nest.map_structure(lambda t: t[0], elements))
+        signature = tf.nest.map_structure(
+            lambda t: tf.TensorSpec(t.shape, t.dtype), first)
+        return tf.map_fn(fn, elements, fn_output_signature=signature)
+
+
+def test_map_tasks_hook_sequential_tasks_equal_the_oracle():
+    data = sinusoid_tasks(TASKS, support=5, query=6)
+    model = make_mlp()
+    oracle = HandMAML(model.get_weights(), INNER_LR, 2, OUTER_LR)
+    meta = MapFnLearner(model, inner_learning_rate=INNER_LR, inner_steps=2)
+    meta.compile(optimizer=keras.optimizers.SGD(OUTER_LR), loss="mse")
+    meta.fit(data[:3], data[3], batch_size=BATCH, shuffle=False, verbose=0)
+    oracle.fit(data, BATCH)
+    assert max_difference(meta.model.get_weights(), oracle.weights()) < ATOL

@@ -263,7 +263,7 @@ class MetaLearner(keras.Model):
         if private.in_symbolic_build():
             # Keras builds the compiled loss and metrics from output shapes
             # only: no adaptation is needed to know them.
-            return tasks_lib.map_tasks(
+            return self.map_tasks(
                 lambda qx: self.model(qx, training=False), query_x
             )
         tasks = tasks_lib.Tasks(support_x, support_y, query_x, None)
@@ -308,8 +308,25 @@ class MetaLearner(keras.Model):
             return out
 
         if not with_targets:
-            return None, tasks_lib.map_tasks(one_task, tasks.as_tuple()[:3])
-        return tasks_lib.map_tasks(one_task, tasks.as_tuple())
+            return None, self.map_tasks(one_task, tasks.as_tuple()[:3])
+        return self.map_tasks(one_task, tasks.as_tuple())
+
+    def map_tasks(self, fn, elements):
+        """Runs the per-task computation `fn` over the task axis of `elements`.
+
+        The default is `tf.vectorized_map` (all tasks at once as batched
+        operations, falling back to a loop for an operation it cannot
+        vectorize). Override to trade speed for memory, e.g.
+        `return tf.map_fn(fn, elements, fn_output_signature=...)`.
+
+        Args:
+            fn: callable on one task's tensors (a tuple), returning a nest.
+            elements: a tuple of tensors (or nests), task axis first.
+
+        Returns:
+            `fn`'s outputs stacked along a new first (task) axis.
+        """
+        return tasks_lib.map_tasks(fn, elements)
 
     def _update_metrics(self, tasks, losses, y_pred):
         # One value per task: the epoch's mean over tasks, over all replicas
