@@ -189,3 +189,20 @@ def test_bad_meta_batches_raise_before_any_weight_changes(case):
     with pytest.raises((ValueError, TypeError), match=message):
         meta.fit(dataset, verbose=0, shuffle=False)
     assert max_difference(meta.model.get_weights(), before) == 0.0
+
+
+def test_state_layers_are_read_never_written_and_random_layers_warn():
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([
+        keras.Input((1,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dropout(0.2), keras.layers.BatchNormalization(), keras.layers.Dense(1),
+    ])
+    state = [v.numpy().copy() for v in net.non_trainable_variables]
+    with pytest.warns(UserWarning, match=r"layers \['dropout'\].*same random masks"):
+        meta = kt.MetaLearner(net, inner_steps=2)
+    meta.compile(optimizer="sgd", loss="mse")
+    data = sinusoid_tasks(2, support=3, query=3)
+    history = meta.fit(data[:3], data[3], batch_size=2, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    # Moving statistics and the seed state: read by the functional passes, never updated.
+    assert max_difference([v.numpy() for v in net.non_trainable_variables], state) == 0.0

@@ -12,6 +12,8 @@ the compiled metrics are computed on the query predictions at the adapted
 weights.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -113,6 +115,7 @@ class MetaLearner(keras.Model):
             learn_inner_learning_rate=learn_inner_learning_rate,
         )
         adapted = _adapted_variables(model, config.adapt)
+        _warn_if_random_layers(model)
         super().__init__(**kwargs)
         self.model = model
         self._meta_config = config
@@ -360,11 +363,6 @@ class MetaLearner(keras.Model):
         query_pred = adapted.predict(query_x)
         ```
         """
-        self._require_compiled("adapt")
-        steps = self.inner_steps if steps is None else validation.positive_int(steps, "steps")
-        support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
-        support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
-        tasks_lib.check_support(support_x, support_y)
         weights = self.adapted_weights(support_x, support_y, steps)
         clone = keras.models.clone_model(self.model)
         clone.set_weights(self.model.get_weights())
@@ -376,9 +374,15 @@ class MetaLearner(keras.Model):
         """The adapted values of `model.trainable_variables` for one task (tensors).
 
         Same arguments as `adapt`; nothing is copied or written.
+
+        Returns:
+            A list of tensors aligned with `model.trainable_variables`.
         """
-        self._require_compiled("adapted_weights")
-        steps = self.inner_steps if steps is None else steps
+        self._require_compiled("adapt")
+        steps = self.inner_steps if steps is None else validation.positive_int(steps, "steps")
+        support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
+        support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
+        tasks_lib.check_support(support_x, support_y)
         loss = self._functional_loss(training=False)
         weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
         adapted, rates = self._adapted_indices_and_rates()
@@ -449,6 +453,26 @@ def _check_model(model):
     if not model.trainable_variables:
         raise ValueError(
             f"`model` has no trainable variables. Received: model={model.name!r}"
+        )
+
+
+def _warn_if_random_layers(model):
+    """Warns when layers draw random numbers (Dropout, GaussianNoise, ...).
+
+    Their seed state is a non-trainable variable, which the functional forward
+    passes read but never advance: every step would reuse the same masks.
+    """
+    random = [
+        layer.name for layer in [model] + private.all_layers(model)
+        if any(isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values())
+    ]
+    if random:
+        warnings.warn(
+            f"MetaLearner: the layers {random} of model {model.name!r} draw random "
+            "numbers (e.g. Dropout), but the learner never advances their seed "
+            "state: every step reuses the same random masks. Remove them or "
+            "accept fixed masks.",
+            stacklevel=3,
         )
 
 
