@@ -203,6 +203,28 @@ def test_composes_with_gradient_clipping():
     assert_matches(model, oracle, history, expected)
 
 
+def test_composes_with_optimizer_groups_and_sam():
+    # Two SGD groups with the same rate are plain SGD; SAM with rho=0 runs
+    # the second pass (a second attack, same seeded start) at the same
+    # weights: both equal the hand-written loop.
+    x, y, sw = data()
+    oracle = mlp()
+    initial = oracle.get_weights()
+    expected = oracle_fit(oracle, x, y, sw, "adversarial", fgsm(), 1.0)
+    for option in ("groups", "sam"):
+        model = mlp(upgrade=True)
+        model.set_weights(initial)
+        extra = {"sharpness_aware": kt.SAM(rho=0.0)} if option == "sam" else {}
+        optimizer = keras.optimizers.SGD(LR) if option == "sam" else kt.optimizer_groups(
+            model, [("hidden", keras.optimizers.SGD(LR, name="a")),
+                    ("logits", keras.optimizers.SGD(LR, name="b"))])
+        model.compile(optimizer=optimizer, loss=crossentropy(),
+                      loss_terms=[make_term("adversarial", fgsm(), 1.0)], **extra)
+        history = model.fit(x, y, sample_weight=sw, batch_size=BATCH, shuffle=False,
+                            verbose=0).history
+        assert_matches(model, oracle, history, expected)
+
+
 @pytest.mark.parametrize("option", [{"micro_batches": 2}, {"accumulation_steps": 2}])
 def test_micro_batches_and_accumulation_equal_the_large_batch(option):
     # Without a random start the attack of an example does not depend on
