@@ -61,6 +61,8 @@ from keras_tapeops import physics  # noqa: E402  (kt.physics.BoxSampler, ...)
 from keras_tapeops.derivatives import input_derivatives  # noqa: E402
 from keras_tapeops.physics.condition import ConditionLoss  # noqa: E402
 from keras_tapeops.physics.residual import PDEResidual  # noqa: E402
+from keras_tapeops.aggregation import AlignedMTL, CAGrad, IMTLG, MGDA, PCGrad, UPGrad  # noqa: E402,E501
+from keras_tapeops.multitask import DWA, FAMO, GradNorm, MeasureConflict, UncertaintyWeighting  # noqa: E402,E501
 
 __version__ = _installed_version()  # one source: `version` in pyproject.toml
 
@@ -112,4 +114,16 @@ __all__ = [
     "PDEResidual",
     "ConditionLoss",
     "physics",
+    # Multi-task (compile(task_balancing=...)): gradient aggregators, loss weightings, conflict.
+    "PCGrad",
+    "MGDA",
+    "CAGrad",
+    "IMTLG",
+    "AlignedMTL",
+    "UPGrad",
+    "UncertaintyWeighting",
+    "DWA",
+    "GradNorm",
+    "FAMO",
+    "MeasureConflict",
 ]
