@@ -94,10 +94,10 @@ def main():
     parser.add_argument("--out", default=".", help="directory of the PNG")
     args = parser.parse_args()
     x, y, source = load_digits_images()
-    n_train, epochs = (256, 1) if args.quick else (1400, 20)
+    n_train, epochs = (128, 1) if args.quick else (1400, 20)
     (x_train, y_train), (x_test, y_test) = (x[:n_train], y[:n_train]), (x[1400:], y[1400:])
     if args.quick:
-        x_test, y_test = x_test[:64], y_test[:64]
+        x_test, y_test = x_test[:32], y_test[:32]
     print(f"data: {source}, {len(x_train)} training and {len(x_test)} test images, "
           f"epsilon {EPSILON} (L-inf, pixels in [0, 1])")
     keras.utils.set_random_seed(0)

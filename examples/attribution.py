@@ -58,7 +58,7 @@ def main():
     parser.add_argument("--out", default=".", help="directory of the PNG")
     args = parser.parse_args()
     x, y = load_digits_images()
-    n_train, epochs = (256, 1) if args.quick else (1500, 30)
+    n_train, epochs = (128, 1) if args.quick else (1500, 30)
     keras.utils.set_random_seed(0)
     model = make_model()
     model.compile(optimizer=keras.optimizers.Adam(3e-3),

@@ -34,12 +34,8 @@ class FGSM(Attack):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = np.random.rand(8, 4).astype("float32"), np.arange(8) % 3
-    x_adv = kt.attacks.FGSM(epsilon=0.1, clip=(0.0, 1.0))(model, x, y)
+    # `model` compiled with a loss; `x` in [0, 1], `y` its targets.
+    x_adv = kt.attacks.FGSM(epsilon=0.1, clip=(0.0, 1.0), seed=0)(model, x, y)
     ```
     """
 

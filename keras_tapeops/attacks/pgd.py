@@ -36,13 +36,10 @@ class PGD(Attack):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = np.random.rand(8, 4).astype("float32"), np.arange(8) % 3
-    attack = kt.attacks.PGD(epsilon=0.1, step_size=0.025, steps=7, clip=(0.0, 1.0))
-    x_adv = attack(model, x, y)
+    # `model` compiled with a loss; `x` in [0, 1], `y` its targets.
+    attack = kt.attacks.PGD(epsilon=0.1, step_size=0.025, steps=7, norm="inf",
+                            clip=(0.0, 1.0), seed=0)
+    x_adv = attack(model, x, y)   # max |x_adv - x| <= 0.1
     ```
     """
 

@@ -40,12 +40,9 @@ def evaluate_robustness(model, data, attack, batch_size=None):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = np.random.rand(32, 4).astype("float32"), np.arange(32) % 3
-    kt.attacks.evaluate_robustness(model, (x, y), kt.attacks.FGSM(0.1), batch_size=16)
+    attack = kt.attacks.PGD(0.1, steps=10, clip=(0.0, 1.0), seed=0)
+    kt.attacks.evaluate_robustness(model, (x, y), attack, batch_size=32)
+    # {'loss': ..., 'accuracy': ..., 'robust_loss': ..., 'robust_accuracy': ...}
     ```
     """
     return RobustnessEvaluator(attack)(model, data, batch_size)

@@ -35,12 +35,8 @@ def saliency(model, x, target=None, absolute=True):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(3)])
-    maps = kt.attribution.saliency(model, np.random.rand(4, 8, 8, 1))
-    maps.shape   # (4, 8, 8, 1)
+    maps = kt.attribution.saliency(model, x[:4])        # shaped like x[:4]
+    signed = kt.attribution.saliency(model, x[:4], target=2, absolute=False)
     ```
     """
     targets.check_model(model)
@@ -91,11 +87,7 @@ def smoothgrad(model, x, target=None, samples=25, noise=0.15, absolute=True,
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(3)])
-    maps = kt.attribution.smoothgrad(model, np.random.rand(4, 8, 8, 1), samples=10, seed=0)
+    maps = kt.attribution.smoothgrad(model, x[:4], samples=10, noise=0.15, seed=0)
     ```
     """
     targets.check_model(model)

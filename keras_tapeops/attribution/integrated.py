@@ -39,11 +39,8 @@ def integrated_gradients(model, x, baseline=None, target=None, steps=50, batch_s
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(3)])
-    ig = kt.attribution.integrated_gradients(model, np.random.rand(4, 8, 8, 1), steps=32)
+    ig = kt.attribution.integrated_gradients(model, x[:4], steps=32)
+    ig.sum(axis=1)   # ~ f_t(x) - f_t(0) per example (completeness)
     ```
     """
     targets.check_model(model)

@@ -35,13 +35,8 @@ class RobustAccuracy(keras.callbacks.Callback):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = np.random.rand(64, 4).astype("float32"), np.arange(64) % 3
-    robust = kt.callbacks.RobustAccuracy((x, y), kt.attacks.PGD(0.1, steps=5, seed=0))
+    pgd = kt.attacks.PGD(0.1, steps=5, clip=(0.0, 1.0), seed=0)
+    robust = kt.callbacks.RobustAccuracy((x, y), pgd, batch_size=32)
     stop = keras.callbacks.EarlyStopping(monitor="robust_accuracy", mode="max",
                                          patience=2, restore_best_weights=True)
     history = model.fit(x, y, epochs=2, verbose=0, callbacks=[robust, stop])

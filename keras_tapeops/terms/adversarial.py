@@ -76,13 +76,8 @@ class AdversarialLoss(_AttackTerm):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  loss_terms=[kt.AdversarialLoss(kt.attacks.FGSM(0.1, seed=0))])
-    x, y = np.random.rand(32, 4).astype("float32"), np.arange(32) % 3
+    model.compile(optimizer="adam", loss="categorical_crossentropy", loss_terms=[
+        kt.AdversarialLoss(kt.attacks.FGSM(0.1, clip=(0.0, 1.0), seed=0))])
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     history.history["adversarial_loss"]
     ```
@@ -132,14 +127,9 @@ class TRADES(_AttackTerm):
 
     Example:
     ```python
-    import keras, numpy as np
-    import keras_tapeops as kt
-    model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
-    attack = kt.attacks.PGD(0.1, steps=3, seed=0)
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  loss_terms=[kt.TRADES(attack, beta=6.0)])
-    x, y = np.random.rand(32, 4).astype("float32"), np.arange(32) % 3
+    attack = kt.attacks.PGD(0.1, step_size=0.025, steps=5, clip=(0.0, 1.0), seed=0)
+    model.compile(optimizer="adam", loss="categorical_crossentropy",   # softmax outputs
+                  loss_terms=[kt.TRADES(attack, beta=6.0, from_logits=False)])
     model.fit(x, y, batch_size=16, epochs=1, verbose=0).history["trades"]
     ```
     """
