@@ -3,6 +3,7 @@
 from keras_tapeops.callbacks.gradual_unfreezing import GradualUnfreezing
 from keras_tapeops.callbacks.group_learning_rate import GroupLearningRateScheduler
 from keras_tapeops.callbacks.group_reduce_lr_on_plateau import GroupReduceLROnPlateau
+from keras_tapeops.callbacks.privacy_budget import PrivacyBudget
 from keras_tapeops.callbacks.robust_accuracy import RobustAccuracy
 from keras_tapeops.callbacks.sharpness import Sharpness
 
@@ -10,6 +11,7 @@ __all__ = [
     "GradualUnfreezing",
     "GroupLearningRateScheduler",
     "GroupReduceLROnPlateau",
+    "PrivacyBudget",
     "RobustAccuracy",
     "Sharpness",
 ]

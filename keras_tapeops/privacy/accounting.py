@@ -118,16 +118,28 @@ def noise_multiplier_for(target_epsilon, steps, sampling_rate, delta=1e-5, accou
     delta = _delta(delta)
     accountant = validation.choice(accountant, "accountant", ACCOUNTANTS)
     dp = _dp_accounting()
-    return float(
-        dp.calibrate_dp_mechanism(
-            lambda: make_accountant(accountant),
-            lambda sigma: dp_event(steps, sampling_rate, sigma),
-            target_epsilon,
-            delta,
-            dp.LowerEndpointAndGuess(1e-2, 1.0),
-            tol=1e-4,
+
+    def calibrate(kind, bracket):
+        return float(
+            dp.calibrate_dp_mechanism(
+                lambda: make_accountant(kind),
+                lambda sigma: dp_event(steps, sampling_rate, sigma),
+                target_epsilon, delta, bracket, tol=1e-3,
+            )
         )
-    )
+
+    upper = calibrate("rdp", dp.LowerEndpointAndGuess(0.05, 1.0))
+    if accountant == "rdp":
+        return upper
+    # PLD's epsilon is below RDP's bound, so its sigma is below RDP's: search
+    # down from it (a PLD evaluation is slow at small sigma; start close).
+    lower = upper
+    while lower > 0.05:
+        lower *= 0.7
+        if epsilon(steps, sampling_rate, lower, delta, "pld") > target_epsilon:
+            return calibrate("pld", dp.ExplicitBracketInterval(lower, upper))
+        upper = lower
+    return upper
 
 
 def check_sampling_rate(sampling_rate):

@@ -68,6 +68,13 @@ class DPSGDState(MultiGradientState):
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.SUM,
         )
+        # The sample count of the last applied step (equal on every replica),
+        # read by kt.callbacks.PrivacyBudget to infer the sampling rate.
+        self.step_samples = tf.Variable(
+            0.0, trainable=False, name="dp_step_samples",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
 
     # ---------------------------------------------------------------- binding
     def bind_variables(self, model, variables, tree):
@@ -144,8 +151,7 @@ class DPSGDState(MultiGradientState):
         if self.sites is None:
             _build(model, x)
         trainable = list(model.trainable_weights)
-        scale = true_gradients.loss_scale(model.optimizer) if model.optimizer is not None else None
-        scale = tf.constant(1.0) if scale is None else tf.cast(scale, tf.float32)
+        scale = _loss_scale(model.optimizer, trainable)
         tape = tf.GradientTape(persistent=True)
         with tape:
             with sites_lib.Recorder(self.sites, trainable) as recorder:
@@ -226,6 +232,7 @@ class DPSGDState(MultiGradientState):
     def finalize(self, model, grads, variables):
         samples, key = noise.replica_sums(self.samples.read_value(), self.seed)
         self.samples.assign(0.0)
+        self.step_samples.assign(samples)
         options = model.tapeops_options
         factor = tf.constant(1.0)
         if options is not None and options.accumulation_steps > 1:
@@ -318,6 +325,16 @@ def _name_of(site, variable_id):
         if id(variable) == variable_id:
             return variable.name
     return "?"
+
+
+def _loss_scale(optimizer, variables):
+    """The factor the optimizer scales the loss by (1 without one), as a float32 tensor."""
+    if optimizer is None:
+        return tf.constant(1.0)
+    if not optimizer.built:  # a LossScaleOptimizer creates its scale in build()
+        optimizer.build(variables)
+    scale = true_gradients.loss_scale(optimizer)
+    return tf.constant(1.0) if scale is None else tf.cast(scale, tf.float32)
 
 
 def _as_dtype(grad, dtype):

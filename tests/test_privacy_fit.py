@@ -1,0 +1,196 @@
+"""`fit` with kt.DPSGD (noise_multiplier=0) equals the per-example oracle.
+
+The oracle is the textbook loop: a tape per example (stock `compute_loss` on
+that one example), clip its gradient over all variables to `l2_norm_clip`,
+sum, divide by the number of examples of the step, apply with SGD. Same
+initial weights, same batches; final weights compared at 1e-6.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_tapeops as kt
+
+CLIP = 0.05  # small: every example is clipped, so clipping changes the result
+LR = 0.5
+
+
+def _mlp():
+    return keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3),
+    ])
+
+
+def _emb_conv():
+    return keras.Sequential([
+        keras.Input((7,), dtype="int32"),
+        keras.layers.Embedding(9, 4),
+        keras.layers.Conv1D(5, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ])
+
+
+def _data(kind, n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        x = rng.normal(size=(n, 5)).astype("float32")
+    else:
+        x = rng.integers(0, 9, size=(n, 7)).astype("int32")
+        x[:, :3] = x[:, 3:6]  # repeated ids within an example
+    return x, rng.integers(0, 3, size=(n,))
+
+
+def _build(kind, strategy=None):
+    scope = strategy.scope() if strategy is not None else _null()
+    with scope:
+        keras.utils.set_random_seed(7)
+        model = kt.upgrade(_mlp() if kind == "mlp" else _emb_conv())
+    return model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _dp_fit(model, x, y, batch_size, epochs=1, strategy=None, **options):
+    scope = strategy.scope() if strategy is not None else _null()
+    dp = options.pop("dp", kt.DPSGD(CLIP, 0.0, seed=0))
+    with scope:
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss(),
+                      differential_privacy=dp, **options)
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+
+
+def _oracle(model, x, y, windows, transform=None):
+    """Per-example tapes, clip, sum, divide; one SGD step per window of examples."""
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())  # stock
+    optimizer = model.optimizer
+    variables = model.trainable_variables
+
+    @tf.function
+    def example_gradient(xi, yi):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x=xi, y=yi, y_pred=model(xi, training=True))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+        scale = tf.minimum(1.0, CLIP / tf.linalg.global_norm(grads))
+        return [g * scale for g in grads]
+
+    @tf.function
+    def apply(grads):
+        optimizer.apply_gradients(zip(grads, variables))
+
+    for start, stop in windows:
+        total = [np.zeros(v.shape, "float32") for v in variables]
+        for i in range(start, stop):
+            for t, g in zip(total, example_gradient(x[i:i + 1], y[i:i + 1])):
+                t += g.numpy()
+        update = [t / (stop - start) for t in total]
+        if transform is not None:
+            update = transform(update)
+        apply([tf.constant(u) for u in update])
+    return model.get_weights()
+
+
+def _windows(n, size):
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _assert_close(a_weights, b_weights, atol=1e-6):
+    for a, b in zip(a_weights, b_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "emb_conv"])
+def test_fit_equals_per_example_oracle(kind):
+    x, y = _data(kind)
+    model, oracle = _build(kind), _build(kind)
+    _dp_fit(model, x, y, batch_size=4, epochs=2)
+    expected = _oracle(oracle, np.concatenate([x, x]), np.concatenate([y, y]), _windows(24, 4))
+    _assert_close(model.get_weights(), expected)
+
+
+def test_companion_stock_fit_differs_from_the_oracle():
+    x, y = _data("mlp")
+    stock, oracle = _build("mlp"), _build("mlp")
+    stock.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+    stock.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    expected = _oracle(oracle, x, y, _windows(12, 4))
+    assert max(np.abs(a - b).max() for a, b in zip(stock.get_weights(), expected)) > 1e-3
+
+
+def test_vectorized_method_equals_the_oracle():
+    x, y = _data("emb_conv")
+    model, oracle = _build("emb_conv"), _build("emb_conv")
+    _dp_fit(model, x, y, batch_size=6, dp=kt.DPSGD(CLIP, 0.0, method="vectorized"))
+    _assert_close(model.get_weights(), _oracle(oracle, x, y, _windows(12, 6)))
+
+
+def test_two_replicas_equal_the_oracle(mirrored):
+    x, y = _data("emb_conv")
+    model = _build("emb_conv", mirrored)
+    oracle = _build("emb_conv")
+    _dp_fit(model, x, y, batch_size=6, strategy=mirrored)
+    _assert_close(model.get_weights(), _oracle(oracle, x, y, _windows(12, 6)))
+
+
+def test_micro_batches_equal_the_oracle():
+    x, y = _data("emb_conv")
+    model, oracle = _build("emb_conv"), _build("emb_conv")
+    _dp_fit(model, x, y, batch_size=6, micro_batches=3)
+    _assert_close(model.get_weights(), _oracle(oracle, x, y, _windows(12, 6)))
+
+
+def test_accumulation_windows_equal_the_oracle_with_a_short_last_window():
+    # 14 examples, batches of 4: windows of 2 batches = 8 examples, then 6 (flushed).
+    x, y = _data("emb_conv", n=14)
+    model, oracle = _build("emb_conv"), _build("emb_conv")
+    _dp_fit(model, x, y, batch_size=4, accumulation_steps=2, micro_batches=2)
+    _assert_close(model.get_weights(), _oracle(oracle, x, y, [(0, 8), (8, 14)]))
+    assert int(model.optimizer.iterations) == 2
+
+
+def test_gradient_transforms_see_the_private_gradient():
+    x, y = _data("mlp")
+    model, oracle = _build("mlp"), _build("mlp")
+    _dp_fit(model, x, y, batch_size=4, gradient_transforms=[kt.ClipByGlobalNorm(0.01)])
+
+    def clip(update):
+        norm = np.sqrt(sum(float((u ** 2).sum()) for u in update))
+        return [u * min(1.0, 0.01 / norm) for u in update]
+
+    _assert_close(model.get_weights(), _oracle(oracle, x, y, _windows(12, 4), transform=clip))
+
+
+def test_mixed_precision_clips_in_float32():
+    x, y = _data("mlp")
+    oracle = _build("mlp")
+    expected = _oracle(oracle, x, y, _windows(12, 4))
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _build("mlp")
+    history = _dp_fit(model, x, y, batch_size=4)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    # float16 forward and backward; the clip weights, sums and update in float32.
+    _assert_close(model.get_weights(), expected, atol=2e-3)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_logged_loss_is_the_stock_mean():
+    x, y = _data("mlp")
+    model, stock = _build("mlp"), _build("mlp")
+    history = _dp_fit(model, x, y, batch_size=12, dp=kt.DPSGD(1e6, 0.0))
+    stock.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+    stock_history = stock.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], stock_history.history["loss"], rtol=1e-6)
+    # With a clip that never binds, DP-SGD without noise is stock SGD.
+    _assert_close(model.get_weights(), stock.get_weights())
