@@ -52,9 +52,12 @@ class TaskLoss:
                 f"`loss` must be a Keras loss, its name or a loss function. "
                 f"Received: loss={loss!r}"
             ) from error
-        if not isinstance(resolved, keras.losses.Loss):
-            resolved = _FunctionLoss(resolved)
-        self.loss = resolved
+        # A loss function (what a name resolves to) is reduced here, as
+        # compile() reduces it ("sum_over_batch_size": the mean over the
+        # task's examples), with fewer operations than wrapping it in a
+        # `keras.losses.Loss`: the inner loop differentiates them twice.
+        self.function = None if isinstance(resolved, keras.losses.Loss) else resolved
+        self.loss = _FunctionLoss(resolved) if self.function is not None else resolved
 
     def __call__(self, y_true, y_pred):
         if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y_true):
@@ -63,6 +66,9 @@ class TaskLoss:
                 "predictions and one of targets). Received: y_pred="
                 f"{_structure(y_pred)}, y_true={_structure(y_true)}"
             )
+        if self.function is not None and getattr(y_pred, "_keras_mask", None) is None:
+            y_pred = tf.cast(y_pred, "float32")
+            return tf.reduce_mean(self.function(tf.cast(y_true, "float32"), y_pred))
         value = self.loss(y_true, y_pred)
         if getattr(self.loss, "reduction", None) in _SCALED_REDUCTIONS:
             value = mixin.unscale_for_distribution(value)
