@@ -22,11 +22,11 @@ import tensorflow as tf
 from keras_tapeops import validation
 from keras_tapeops.privacy.accounting import check_sampling_rate
 
-_STD_MARGIN = 6.0  # standard deviations of the batch size above its mean
+_STD_MARGIN = 7.0  # standard deviations of the batch size above its mean
 
 
 def default_max_batch_size(dataset_size, sampling_rate):
-    """The padded batch size: mean + 6 standard deviations, rounded up to a multiple of 8.
+    """The padded batch size: mean + 7 standard deviations, rounded up to a multiple of 8.
 
     Args:
         dataset_size: number of examples N.
@@ -71,7 +71,7 @@ def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, step
             (0, 1].
         seed: None (fresh randomness) or an int: the same seed gives the same
             batches; each epoch draws new ones.
-        max_batch_size: the padded batch size M (default: mean + 6 standard
+        max_batch_size: the padded batch size M (default: mean + 7 standard
             deviations of the batch size, rounded up to a multiple of 8).
         steps: batches per epoch (default `round(1 / q)`: one pass over the
             data in expectation).
