@@ -28,6 +28,7 @@ import tensorflow as tf
 import keras_tapeops as kt
 
 ROUNDS = 7
+IG_ROUNDS, IG_IMAGES = 5, 4
 N, BATCH, SIZE, CLASSES = 2048, 128, 16, 10
 EPS = 8 / 255
 
@@ -167,7 +168,7 @@ def keras_io_integrated_gradients(model, img_input, top_pred_idx, baseline=None,
 
 def attribution_benchmark(x):
     model = make_model()
-    batch = x[:8]
+    batch = x[:IG_IMAGES]
     targets = np.argmax(model.predict(batch, verbose=0), axis=1)
 
     def ours():
@@ -181,7 +182,7 @@ def attribution_benchmark(x):
 
     difference = np.abs(ours() - keras_io()).max()
     times = common.interleaved({"keras.io loop": keras_io, "kt integrated_gradients": ours},
-                               ROUNDS)
+                               IG_ROUNDS)
     print(f"integrated gradients, steps=50, batch of {len(batch)} {SIZE}x{SIZE}x3 images "
           f"(max |difference| {difference:.1e}):")
     common.report(times, "keras.io loop", "keras.io loop (lower is faster)")
