@@ -88,7 +88,10 @@ def test_mirrored_strategy_equals_one_device(mirrored, variant):
     with mirrored.scope():
         meta = kt.MetaLearner(make_mlp(), inner_learning_rate=INNER_LR, inner_steps=2,
                               learn_inner_learning_rate=meta_sgd)
-        meta.compile(optimizer=keras.optimizers.SGD(outer_lr), loss="mse")
+        # A Loss object (Keras divides its mean by the number of replicas; the
+        # learner multiplies that back) and a loss name (reduced by the learner).
+        loss = keras.losses.MeanSquaredError() if meta_sgd else "mse"
+        meta.compile(optimizer=keras.optimizers.SGD(outer_lr), loss=loss)
     history = meta.fit(data[:3], data[3], batch_size=4, shuffle=False, verbose=0)
     assert max_difference(meta.model.get_weights(), oracle.weights()) < 1e-6
     np.testing.assert_allclose(history.history["loss"], expected_history, rtol=1e-6)
