@@ -2,16 +2,22 @@
 
 - `micro_batch_gradients` (micro_batches.py): one batch, split into k
   micro-batches run one after the other, one optimizer step.
-- `CrossBatchAccumulator` (cross_batch.py): k consecutive batches, one step.
+- `CrossBatchAccumulator` (cross_batch.py): k consecutive batches, one step;
+  `window_gradients` is the gradient pass of each of its batches.
+- reductions.py: how each compiled loss normalizes a batch, so both stay
+  exact for every Keras reduction (`check_compile_loss` refuses at compile()
+  what cannot be).
 - `AccumulationFlush` (flush.py): applies a window cut short by the epoch end.
 - batch_norm.py: BatchNormalization moving statistics under micro-batching.
 """
 
 from keras_tapeops.accumulation.batch_norm import check_batch_norm_layers
 from keras_tapeops.accumulation.cross_batch import CrossBatchAccumulator
+from keras_tapeops.accumulation.cross_batch import window_gradients
 from keras_tapeops.accumulation.flush import AccumulationFlush
 from keras_tapeops.accumulation.flush import add_flush_callback
 from keras_tapeops.accumulation.micro_batches import micro_batch_gradients
+from keras_tapeops.accumulation.reductions import check_compile_loss
 from keras_tapeops.accumulation.splitting import micro_batch_sizes
 
 
@@ -33,7 +39,9 @@ __all__ = [
     "AccumulationFlush",
     "CrossBatchAccumulator",
     "add_flush_callback",
+    "check_compile_loss",
     "check_model",
     "micro_batch_gradients",
     "micro_batch_sizes",
+    "window_gradients",
 ]

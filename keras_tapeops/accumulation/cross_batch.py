@@ -1,11 +1,25 @@
 """`compile(accumulation_steps=k)`: k consecutive batches, one optimizer step.
 
-Each batch adds `n_j * grad_j` (its per-replica, optimizer-scaled gradient
-times its sample count) and `n_j` to per-replica accumulators. When the window
-holds k batches, the step applies `sum_j n_j grad_j / sum_j n_j`: the gradient
-of the sample-weighted mean loss over every sample of the window, exactly the
-step stock Keras takes on the concatenated batch. `optimizer.iterations` (and
-so learning-rate schedules) count applied steps only.
+Each batch adds `d_j * grad_j` (its per-replica, optimizer-scaled gradient
+times its normalizer `d_j`) and `d_j` to per-replica accumulators. When the
+window holds k batches, the step applies `sum_j d_j grad_j / sum_j d_j`: the
+gradient of the window's loss normalized as Keras normalizes one batch,
+exactly the step stock Keras takes on the concatenated batch. The normalizer
+follows the compiled loss's reduction (see reductions.py): the sample count
+for the default reductions (and for regularization losses and loss terms),
+the sum of the sample weights for `"mean_with_sample_weight"` with sample
+weights, the number of unmasked entries for a masked output; with `"sum"`
+the batches' gradients are summed (`d_j = 1`, no division). A window whose
+batch needs two normalizers (e.g. a `"sum"` output next to a mean-reduced
+one) is refused on the first batch, before any weight changes: the window's
+normalizers are known only after its last batch, and one accumulator can
+wait for one. `optimizer.iterations` (and so learning-rate schedules) count
+applied steps only.
+
+The normalizer of a batch comes from its gradient pass
+(`window_gradients`, which `TapeOpsMixin.compute_gradients` calls with
+`accumulation_steps > 1`); `add` falls back to the sample count for a model
+whose loss is not read (a custom `compute_loss`, a multi-gradient engine).
 
 Distribution: the accumulators are `ON_READ`/`SUM` variables, so every
 replica accumulates locally with no communication; the window's gradient is
@@ -24,7 +38,77 @@ The state is not saved with the model: it is reset at the start of every
 epoch and a partial window is applied at the end of it (see flush.py).
 """
 
+import threading
+import weakref
+
 import tensorflow as tf
+
+from keras_tapeops.accumulation import reductions
+from keras_tapeops.accumulation.micro_batches import micro_batch_pass
+
+# model -> {thread: (kind, normalizer tensor)} of the batch whose pass was just
+# traced (MirroredStrategy traces each replica's step in its own thread).
+_PENDING = weakref.WeakKeyDictionary()
+
+
+def window_gradients(model, x, y, sample_weight):
+    """One batch's gradient pass under `accumulation_steps` (micro-batched if asked).
+
+    Returns what `TapeOpsMixin.batch_gradients` (or `micro_batch_gradients`)
+    returns, and leaves the batch's normalizer for `CrossBatchAccumulator.add`
+    (same traced step).
+
+    Args:
+        model: the keras_tapeops model.
+        x, y, sample_weight: the (per-replica) batch.
+
+    Returns:
+        `(grads, y_pred)`. Raises ValueError (while the first step is
+        traced, before any weight changes) for a loss whose batches need two
+        normalizers.
+    """
+    options = model.tapeops_options
+    if options.micro_batches > 1:
+        grads, y_pred, summary = micro_batch_pass(
+            model, x, y, sample_weight, options.micro_batches
+        )
+        if summary is None:
+            return grads, y_pred
+        records, regularized = summary.records, summary.regularized
+        sizes = dict(zip([r.key for r in records if r.kind == "masked"], summary.masked_sizes))
+        totals = reductions.weight_totals(model, sample_weight)
+        n = tf.cast(_batch_size(x), tf.float32)
+
+        def normalizer(record):
+            if record.kind == "weights":
+                return totals[record.index]
+            if record.kind == "masked":
+                return sizes[record.key]
+            return n if record.kind == "samples" else tf.constant(1.0)
+    else:
+        if not reductions.analysable(model):
+            return model.batch_gradients(x, y, sample_weight)
+        reductions.build_compiled_loss(model, x, y, sample_weight)
+        with reductions.intercepted(
+            model, lambda r: r.value, reductions.option_of(options)
+        ) as records:
+            grads, y_pred = model.batch_gradients(x, y, sample_weight)
+        regularized = bool(model.losses)
+
+        def normalizer(record):
+            return record.denominator
+    kind, key = reductions.window_group(
+        records, model, regularized, options.accumulation_steps
+    )
+    chosen = [r for r in records if r.key == key]
+    weight = normalizer(chosen[0]) if chosen else tf.cast(_batch_size(x), tf.float32)
+    _PENDING.setdefault(model, {})[threading.get_ident()] = (kind, weight)
+    return grads, y_pred
+
+
+def _batch_size(x):
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
 
 
 class CrossBatchAccumulator:
@@ -54,6 +138,9 @@ class CrossBatchAccumulator:
             for i, v in enumerate(self.variables)
         ]
         self.samples = _local_variable(tf.constant(0.0), "accumulated_samples")
+        # The window's normalizer (the sample count for the default reductions).
+        self.normalizer = _local_variable(tf.constant(0.0), "accumulated_normalizer")
+        self.unit = False  # "sum" reduction: the window's gradients are summed
         # Float, not int: integer variables are awkward on accelerators.
         self.batches = _local_variable(
             tf.constant(0.0), "accumulated_batches",
@@ -75,12 +162,19 @@ class CrossBatchAccumulator:
             None.
         """
         n = tf.cast(n_samples, tf.float32)
+        kind, weight = _PENDING.get(model, {}).pop(threading.get_ident(), (None, None))
+        if kind is None:
+            kind, weight = _unread_loss_kind(model), n
+        self.unit = kind == "unit"  # trace time: one kind per window
+        if self.unit:
+            weight = tf.constant(1.0)
         present = [g is not None for g in grads]
         self.present = present  # which variables get gradients (trace time)
         for total, grad in zip(self.sums, grads):
             if grad is not None:
-                total.assign_add(tf.convert_to_tensor(grad) * tf.cast(n, total.dtype))
+                total.assign_add(tf.convert_to_tensor(grad) * tf.cast(weight, total.dtype))
         self.samples.assign_add(n)
+        self.normalizer.assign_add(tf.cast(weight, tf.float32))
         self.batches.assign_add(1.0)
         full = self.batches.read_value() > self.steps - 0.5
         self._apply_if(model, full, present)
@@ -89,11 +183,12 @@ class CrossBatchAccumulator:
         """Applies the window when `full`; a full window of zero samples is only reset."""
         if not tf.distribute.has_strategy():
             total = self.samples.read_value()
+            normalizer = self.normalizer.read_value()
             tf.cond(
                 full,
                 lambda: tf.cond(
                     total > 0,
-                    lambda: self._apply(model, total, present),
+                    lambda: self._apply(model, total, present, normalizer),
                     self._reset_only,
                 ),
                 lambda: tf.constant(False),
@@ -104,9 +199,10 @@ class CrossBatchAccumulator:
             full = strategy.experimental_local_results(full)[0]
             # Reading an ON_READ/SUM variable here sums it over replicas.
             total = self.samples.read_value()
+            normalizer = self.normalizer.read_value()
 
             def apply():
-                strategy.run(self._apply, args=(model, total, present))
+                strategy.run(self._apply, args=(model, total, present, normalizer))
                 return tf.constant(True)
 
             def reset():
@@ -121,12 +217,30 @@ class CrossBatchAccumulator:
 
         tf.distribute.get_replica_context().merge_call(cross_replica, args=(full,))
 
-    def _apply(self, model, total_samples, present):
-        """In replica context: applies the window's mean gradient and resets."""
+    def _apply(self, model, total_samples, present, total_normalizer=None):
+        """In replica context: applies the window's gradient and resets.
+
+        Args:
+            model: the keras_tapeops model.
+            total_samples: the window's sample count (summed over replicas).
+            present: which variables have gradients.
+            total_normalizer: the window's normalizer summed over replicas
+                (default: `total_samples`).
+        """
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        # sum over replicas of (local sum * replicas / total) = window mean,
-        # since each replica's gradient carries Keras's 1/replicas loss scale.
-        factor = tf.cast(replicas, tf.float32) / total_samples
+        if self.unit:
+            # "sum": Keras does not scale it by replicas; the sum is the step.
+            factor = tf.constant(1.0)
+        elif total_normalizer is None:
+            factor = tf.cast(replicas, tf.float32) / total_samples
+        else:
+            # sum over replicas of (local sum * replicas / total) = window
+            # mean, since each replica's gradient carries Keras's
+            # 1/replicas loss scale. A zero normalizer (every sample weight
+            # zero) is a zero loss, as Keras's divide_no_nan makes it.
+            factor = tf.math.divide_no_nan(
+                tf.cast(replicas, tf.float32), total_normalizer
+            )
         grads = [
             tf.cast(total.read_value() * tf.cast(factor, total.dtype), v.dtype)
             if on else None
@@ -145,6 +259,7 @@ class CrossBatchAccumulator:
         for total in self.sums:
             total.assign(tf.zeros_like(total))
         self.samples.assign(0.0)
+        self.normalizer.assign(0.0)
         self.batches.assign(0.0)
 
     # ------------------------------------------------------------- epoch end
@@ -173,7 +288,8 @@ class CrossBatchAccumulator:
 
             def flush_step():
                 total = self.samples.read_value()
-                strategy.run(self._apply, args=(model, total, self.present))
+                normalizer = self.normalizer.read_value()
+                strategy.run(self._apply, args=(model, total, self.present, normalizer))
 
             self._flush_function = (
                 flush_step if model.run_eagerly else tf.function(flush_step)
@@ -193,4 +309,32 @@ def _local_variable(initial, name, aggregation=tf.VariableAggregation.SUM):
         name=name,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=aggregation,
+    )
+
+
+def _unread_loss_kind(model):
+    """The window kind when no `window_gradients` pass told it (sample counts).
+
+    Reached for a loss this module does not read (a custom `compute_loss`, a
+    multi-gradient engine), and when the step's gradient pass did not go
+    through `window_gradients`. Then only the sample count is known: a
+    compiled loss reduced otherwise is refused (before any weight changes)
+    rather than accumulated with the wrong weights.
+    """
+    if not reductions.analysable(model):
+        return "samples"
+    named = {
+        entry.name: getattr(entry.loss, "reduction", "sum_over_batch_size")
+        for entry in reductions.flat_losses(model)
+    }
+    for name, reduction in named.items():
+        if reduction in reductions.UNREDUCED:
+            raise reductions.refuse_unreduced(
+                *reductions.option_of(model.tapeops_options), name, reduction
+            )
+    if all(r in reductions.MEAN_REDUCTIONS for r in named.values()):
+        return "samples"
+    raise reductions.refuse_mixed_window(
+        model.tapeops_options.accumulation_steps, named,
+        "batches weighted by their sample counts",
     )

@@ -1,11 +1,19 @@
 """`compile(micro_batches=k)`: one batch, k sequential forward/backward passes.
 
 Each micro-batch's loss is multiplied by `n_micro / n_batch` before
-differentiation, so the summed gradient is the gradient of the whole batch's
-loss under Keras's default `"sum_over_batch_size"` reduction (sample and class
-weights included, regularization losses counted once). The logged loss, the
+differentiation (regularization losses and loss terms count once, as per-sample
+means), and each output's compiled loss is rescaled so that its share is
+`normalizer_micro / normalizer_batch` for its own reduction (see
+reductions.py): the summed gradient is the gradient of the whole batch's loss
+for every Keras reduction (`"sum_over_batch_size"`, `"mean"`, `"sum"`,
+`"mean_with_sample_weight"`), with sample and class weights, uneven splits and
+multi-output losses mixing reductions. A mean-reduced output with a Keras mask
+is differentiated apart (one more backward pass per such output) and divided
+by the batch's number of unmasked entries at the end. The logged loss, the
 loss terms and the metrics equal the whole batch's: each micro-batch logs its
-loss with weight `n_micro`, and the metrics see the concatenated predictions.
+(rescaled) loss with weight `n_micro`, and the metrics see the concatenated
+predictions (a masked output's share of the logged loss is averaged over
+micro-batches by their sample counts).
 
 The forward/backward pass is traced once, as a concrete function whose
 outputs say which gradients exist and what the predictions look like; one
@@ -23,6 +31,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation import splitting
 from keras_tapeops.accumulation.batch_norm import LargeBatchStatistics
 
@@ -48,6 +57,19 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
     model.fit(x, y, batch_size=64)  # 4 passes of 16 samples, 1 step
     ```
     """
+    grads, y_pred, _ = micro_batch_pass(model, x, y, sample_weight, k)
+    return grads, y_pred
+
+
+def micro_batch_pass(model, x, y, sample_weight, k):
+    """`micro_batch_gradients`, plus what the batch's pass saw of its loss.
+
+    Returns:
+        `(grads, y_pred, seen)`: `seen` is None when the loss is not read
+        (see `reductions.analysable`), else a `PassSummary` (the outputs'
+        records, whether regularization losses were present, and the
+        batch's normalizer of every masked output).
+    """
     data = (x, y, sample_weight)
     if not model.built:
         _build_symbolically(model, x)
@@ -57,14 +79,26 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
     if model.tapeops_options.batch_norm_updates != "large_batch" or not stats.layers:
         stats = None
     bn_state = stats.start() if stats is not None else []
+    exact = reductions.analysable(model)
+    totals = {}
+    if exact:
+        reductions.build_compiled_loss(model, x, y, sample_weight)
+        totals = reductions.weight_totals(model, sample_weight)
+    option = reductions.option_of(model.tapeops_options)
+    seen = {}
 
     def one_pass(micro, size, bn_state):
-        grads, y_pred = model.batch_gradients(
-            *micro, loss_multiplier=tf.cast(size, tf.float32) / n_float
-        )
+        multiplier = tf.cast(size, tf.float32) / n_float
+        if not exact:
+            grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
+            masked_grads, masked_sizes = [], []
+        else:
+            grads, y_pred, masked_grads, masked_sizes = _exact_pass(
+                model, micro, multiplier, n_float, totals, option, seen
+            )
         if stats is not None:
             bn_state = stats.add(bn_state, size)
-        return grads, y_pred, bn_state
+        return grads, y_pred, bn_state, masked_grads, masked_sizes
 
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
@@ -73,12 +107,17 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
             _spec(groups[0][2](0), batch=True), tf.TensorSpec([], tf.int32),
             _spec(bn_state, batch=False),
         )
-    grads_spec, pred_spec, _ = traced.structured_outputs
-    present = [g is not None for g in grads_spec]
+    grads_spec, pred_spec, _, masked_spec, _ = traced.structured_outputs
     variables = model.trainable_variables
-    sums = [
-        tf.zeros(v.shape, _dtype(g)) for v, g, on in zip(variables, grads_spec, present) if on
+    # One gradient sum for the folded loss, one per masked output.
+    present = [
+        [g is not None for g in spec] for spec in [grads_spec] + list(masked_spec)
     ]
+    sums = [
+        [tf.zeros(v.shape, _dtype(g)) for v, g, on in zip(variables, spec, on_list) if on]
+        for spec, on_list in zip([grads_spec] + list(masked_spec), present)
+    ]
+    sizes = [tf.constant(0.0) for _ in masked_spec]
     flat_pred_spec = tf.nest.flatten(pred_spec)
 
     outputs = []
@@ -89,17 +128,21 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
             )
             for t in flat_pred_spec
         ]
-        start = _after(tf.constant(0), sums + tf.nest.flatten(bn_state))
+        start = _after(tf.constant(0), tf.nest.flatten(sums) + tf.nest.flatten(bn_state))
 
-        def body(i, sums, arrays, bn_state, size_of=size_of, take=take):
-            g, pred, bn_state = traced(take(i), size_of(i), bn_state)
-            g = [_dense(t) for t, on in zip(g, present) if on]
-            sums = [s + t for s, t in zip(sums, g)]
+        def body(i, sums, sizes, arrays, bn_state, size_of=size_of, take=take):
+            g, pred, bn_state, masked, masked_sizes = traced(take(i), size_of(i), bn_state)
+            parts = [g] + list(masked)
+            sums = [
+                [s + t for s, t in zip(part_sums, [_dense(t) for t, on in zip(part, on_list) if on])]
+                for part_sums, part, on_list in zip(sums, parts, present)
+            ]
+            sizes = [a + b for a, b in zip(sizes, masked_sizes)]
             arrays = [a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))]
-            return i + 1, sums, arrays, bn_state
+            return i + 1, sums, sizes, arrays, bn_state
 
-        _, sums, arrays, bn_state = tf.while_loop(
-            lambda i, *_: i < count, body, (start, sums, arrays, bn_state),
+        _, sums, sizes, arrays, bn_state = tf.while_loop(
+            lambda i, *_: i < count, body, (start, sums, sizes, arrays, bn_state),
             parallel_iterations=1,
         )
         outputs.append([a.concat() for a in arrays])
@@ -109,9 +152,70 @@ def micro_batch_gradients(model, x, y, sample_weight, k):
     y_pred = tf.nest.pack_sequence_as(
         pred_spec, [tf.concat(parts, axis=0) for parts in zip(*outputs)]
     )
-    it = iter(sums)
-    grads = [next(it) if on else None for on in present]
-    return grads, y_pred
+    grads = _combine(sums, sizes, present)
+    summary = None
+    if exact:
+        summary = PassSummary(seen["records"], seen["regularized"], sizes)
+    return grads, y_pred, summary
+
+
+class PassSummary:
+    """What one batch's pass saw of its loss (Python facts, batch-level tensors).
+
+    Attributes:
+        records: the outputs' `reductions.Record`s of the traced pass (their
+            tensors belong to that trace: read only the Python fields).
+        regularized: whether regularization or `add_loss` losses were present.
+        masked_sizes: the batch's normalizer of each masked output, in
+            record order (tensors of the caller's graph).
+    """
+
+    def __init__(self, records, regularized, masked_sizes):
+        self.records = list(records)
+        self.regularized = regularized
+        self.masked_sizes = list(masked_sizes)
+
+
+def _exact_pass(model, micro, multiplier, n, totals, option, seen):
+    """One micro-batch's pass with every output's share rescaled (see reductions.py).
+
+    Returns:
+        `(grads, y_pred, masked_grads, masked_sizes)`: the folded loss's
+        gradients, and for each masked output the gradient of its summed
+        loss and its normalizer in this micro-batch.
+    """
+    with tf.GradientTape(persistent=True) as tape:
+        with reductions.intercepted(
+            model, lambda r: reductions.folded_value(r, n, totals), option
+        ) as records:
+            grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
+        masked = [r for r in records if r.kind == "masked"]
+        pieces = [reductions.numerator(r) for r in masked]
+        if model.optimizer is not None:
+            pieces = [model.optimizer.scale_loss(p) for p in pieces]
+    variables = model.trainable_weights
+    masked_grads = [tape.gradient(p, variables) for p in pieces]
+    del tape
+    seen["records"] = list(records)
+    seen["regularized"] = bool(model.losses)
+    return grads, y_pred, masked_grads, [r.denominator for r in masked]
+
+
+def _combine(sums, sizes, present):
+    """The folded sum plus each masked output's sum over its normalizer."""
+    out = []
+    iters = [iter(s) for s in sums]
+    for j in range(len(present[0])):
+        total = None
+        for part, (it, on_list) in enumerate(zip(iters, present)):
+            if not on_list[j]:
+                continue
+            value = next(it)
+            if part > 0:
+                value = tf.math.divide_no_nan(value, tf.cast(sizes[part - 1], value.dtype))
+            total = value if total is None else total + value
+        out.append(total)
+    return out
 
 
 def _build_symbolically(model, x):

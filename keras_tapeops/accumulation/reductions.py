@@ -1,0 +1,441 @@
+"""How each compiled loss normalizes a batch, so accumulated steps stay exact.
+
+Every Keras loss reduction divides a sum over the batch by a normalizer:
+
+- `"sum_over_batch_size"` / `"mean"`: the number of loss entries (samples
+  times entries per sample), or, for an output with a Keras mask, the
+  number of unmasked entries;
+- `"mean_with_sample_weight"`: the sum of the sample weights (of the mask
+  when there are no weights; the number of entries when neither is given);
+- `"sum"`: nothing (the normalizer is 1).
+
+One step on a large batch divides each output's summed loss by the large
+batch's normalizer. Accumulation is exact when every piece (a micro-batch or a
+batch of the window) contributes `its normalizer / the large batch's
+normalizer` times the gradient of its own loss. Each output is a "component"
+of one of four kinds, named after its normalizer:
+
+- `"samples"`: proportional to the number of samples (the default
+  reductions without a mask; `"mean_with_sample_weight"` without weights),
+  like regularization losses and loss terms, which count as per-sample means;
+- `"unit"`: `"sum"` (every piece counts in full);
+- `"weights"`: `"mean_with_sample_weight"` with sample weights;
+- `"masked"`: a mean reduction of a masked output (the number of unmasked
+  entries is known only after the forward pass).
+
+`micro_batches` knows the whole batch before its loop, so the first three
+kinds are folded into one gradient (each output's loss is rescaled while the
+micro-batch's loss is computed); a masked output is differentiated apart and
+divided by its unmasked count at the end. `accumulation_steps` cannot know
+the window's normalizers before its last batch, so its window must have a
+single kind (see `window_group`); other mixes are refused before any step.
+
+`None` / `"none"` (no reduction) has no normalizer and is refused.
+"""
+
+import collections
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_tapeops import _keras_private as private
+
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+UNREDUCED = (None, "none")
+
+# What one output's loss did in one traced pass.
+Record = collections.namedtuple(
+    "Record",
+    ["index", "name", "reduction", "kind", "key", "value", "weight", "size", "denominator"],
+)
+
+
+# ---------------------------------------------------------------- analysis
+def analysable(model):
+    """True when the step's loss is the compiled loss this module can read.
+
+    Not for a model overriding `compute_loss` (its loss is its own), a model
+    compiled without a loss, or a multi-gradient engine (which computes
+    per-example losses itself): those keep the per-sample weighting.
+    """
+    if private.compiled_loss(model) is None:
+        return False
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return False
+    state = model.tapeops_state
+    return state is None or getattr(state, "engine", None) is None
+
+
+def kind_of(reduction, has_weights, has_mask):
+    """The component kind of a loss with this reduction (see the module docstring)."""
+    if reduction == "sum":
+        return "unit"
+    if has_mask:
+        return "masked"
+    if reduction == "mean_with_sample_weight" and has_weights:
+        return "weights"
+    return "samples"
+
+
+def refuse_unreduced(option, value, name, reduction):
+    """The error for a loss that does not reduce (`None` / `"none"`)."""
+    return ValueError(
+        f"`{option}={value}` cannot split a loss that is not reduced: the loss "
+        f"of output {name!r} returns one value per sample (reduction="
+        f"{reduction!r}), whose gradient Keras takes as the sum over the "
+        "batch while it logs the mean. Use reduction='sum' (the same "
+        f"gradient) or a mean reduction. Received: reduction={reduction!r}"
+    )
+
+
+def check_compile_loss(options, loss):
+    """Refuses at `compile()` what accumulation cannot make exact, seen from `loss`.
+
+    Catches an unreduced loss (`reduction=None` or `"none"`) with
+    `micro_batches` or `accumulation_steps`, and, with `accumulation_steps`,
+    a `"sum"` loss next to a mean-reduced output or a loss term. Mixes that
+    depend on the data (sample weights, masks) are checked on the first batch.
+
+    Args:
+        options: the validated `TapeOpsOptions`.
+        loss: the `loss` argument given to `compile()`.
+
+    Returns:
+        None. Raises ValueError naming the option and the reduction.
+    """
+    if not options.accumulates or loss is None:
+        return
+    option, value = option_of(options)
+    named = _named_losses(loss)
+    for name, reduction in named:
+        if reduction in UNREDUCED:
+            raise refuse_unreduced(option, value, name, reduction)
+    if options.accumulation_steps > 1:
+        sums = [name for name, r in named if r == "sum"]
+        means = [name for name, r in named if r != "sum"]
+        if sums and (means or options.loss_terms):
+            raise refuse_mixed_window(
+                options.accumulation_steps,
+                {name: r for name, r in named},
+                "loss terms" if options.loss_terms and not means else None,
+            )
+
+
+def refuse_mixed_window(steps, reductions, extra=None):
+    """The error for a window whose pieces need two different normalizers."""
+    also = f" and {extra}" if extra else ""
+    return ValueError(
+        f"`accumulation_steps={steps}` cannot make this loss exact: its parts "
+        f"are normalized differently ({_describe(reductions)}{also}), and "
+        "the window's normalizers are known only after its last batch, so one "
+        "accumulator cannot weight both. Use one reduction for every output "
+        "(loss terms and regularizers count as per-sample means, so they go "
+        "with a mean reduction), or use `micro_batches`, which is exact for "
+        f"every mix. Received: reduction={_describe(reductions)}"
+    )
+
+
+def window_group(records, model, regularized, steps):
+    """The single group `(kind, key)` of an `accumulation_steps` window.
+
+    Args:
+        records: the `Record`s of one batch's pass.
+        model: the model (its loss terms count as per-sample means).
+        regularized: whether the pass had regularization or `add_loss`
+            losses (they count once per step, as per-sample means).
+        steps: `accumulation_steps`, for the message.
+
+    Returns:
+        `(kind, key)`. Raises ValueError if the batch needs two normalizers.
+    """
+    keys = {}
+    for record in records:
+        keys.setdefault(record.key, record)
+    terms = bool(model.tapeops_options.loss_terms) or _overrides_terms(model)
+    kinds = {record.kind for record in keys.values()}
+    if len(keys) == 1:
+        (key, record), = keys.items()
+        if record.kind == "samples":
+            return record.kind, key
+        if not terms and (record.kind != "unit" or not regularized):
+            return record.kind, key
+    elif not keys:
+        return "samples", ("samples",)
+    extra = []
+    if terms and kinds != {"samples"}:
+        extra.append("loss terms")
+    if regularized and "unit" in kinds:
+        extra.append("regularization losses")
+    reductions = {r.name: _with_kind(r) for r in records}
+    raise refuse_mixed_window(steps, reductions, " and ".join(extra) or None)
+
+
+# ------------------------------------------------------------ interception
+class ReducedLoss:
+    """Stands in for one output's loss while a pass is traced.
+
+    Calls the original loss (so the value is Keras's own), works out the
+    component's kind and normalizer for this piece, and hands both to
+    `on_value(index, record_fields...)`, which returns the value Keras uses.
+    """
+
+    def __init__(self, index, name, loss, loss_weight, on_value, option):
+        self.index = index
+        self.name = name
+        self.loss = loss
+        self.loss_weight = loss_weight
+        self.on_value = on_value
+        self.option = option
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        reduction = getattr(self.loss, "reduction", "sum_over_batch_size")
+        if reduction in UNREDUCED:
+            raise refuse_unreduced(*self.option, self.name, reduction)
+        value = self.loss(y_true, y_pred, sample_weight)
+        mask = _keras_mask(y_pred)
+        kind = kind_of(reduction, sample_weight is not None, mask is not None)
+        size = tf.cast(_batch_size(y_pred), tf.float32)
+        record = Record(
+            self.index, self.name, reduction, kind,
+            _key(kind, self.index, sample_weight), value, self.loss_weight,
+            size, denominator(kind, reduction, size, sample_weight, mask),
+        )
+        return self.on_value(record)
+
+
+def denominator(kind, reduction, size, sample_weight, mask):
+    """This piece's normalizer for `kind` (float32 scalar; see the module docstring).
+
+    `"samples"` uses the piece's sample count `size`: the number of loss
+    entries is proportional to it, and only ratios of normalizers matter.
+    """
+    if kind == "unit":
+        return tf.constant(1.0)
+    if kind == "samples":
+        return size
+    if kind == "weights":
+        return tf.reduce_sum(tf.cast(sample_weight, tf.float32))
+    mask = tf.cast(mask, tf.float32)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        mask, weights = _same_rank(mask, tf.cast(sample_weight, tf.float32))
+        return tf.reduce_sum(mask * weights)
+    return tf.reduce_sum(mask)
+
+
+@contextlib.contextmanager
+def intercepted(model, on_value, option):
+    """Routes every compiled output loss through `on_value` while the block is traced.
+
+    Args:
+        model: the model whose compiled loss is built (`build_compiled_loss`).
+        on_value: `Record -> value`: what Keras adds for that output.
+        option: `(name, value)` of the accumulation option, for messages.
+
+    Yields:
+        The list the `Record`s are appended to, in call order.
+    """
+    compile_loss = private.compiled_loss(model)
+    original = _flat_losses(compile_loss)
+    records = []
+
+    def recorded(record):
+        records.append(record)
+        return on_value(record)
+
+    wrapped = [
+        entry._replace(loss=ReducedLoss(
+            i, entry.name, _unwrapped(entry.loss), entry.loss_weights, recorded, option
+        ))
+        for i, entry in enumerate(original)
+    ]
+    _set_flat_losses(compile_loss, wrapped)
+    try:
+        yield records
+    finally:
+        _set_flat_losses(compile_loss, original)
+
+
+def flat_losses(model):
+    """The built compiled loss's per-output entries `(path, loss, loss_weights, name)`."""
+    return _flat_losses(private.compiled_loss(model))
+
+
+def build_compiled_loss(model, x, y, sample_weight):
+    """Builds the compiled loss (its per-output list) before a pass is intercepted.
+
+    Keras builds it lazily on its first call, which without a distribution
+    strategy is inside the first traced step; the per-output list must
+    exist before it can be intercepted. Uses Keras's own symbolic build.
+    """
+    compile_loss = private.compiled_loss(model)
+    if compile_loss is not None and not compile_loss.built:
+        _symbolic_build(model, (x, y, sample_weight))
+
+
+def weight_totals(model, sample_weight):
+    """The sum of each output's sample weights over the whole batch, by output index.
+
+    Used by `micro_batches` for `"mean_with_sample_weight"` outputs (None
+    when the batch has no sample weights).
+    """
+    if sample_weight is None:
+        return {}
+    totals = {}
+    for i, entry in enumerate(_flat_losses(private.compiled_loss(model))):
+        weights = sample_weight
+        if tf.nest.is_nested(sample_weight):
+            weights = _resolve(entry.path, sample_weight)
+        if weights is not None:
+            totals[i] = tf.reduce_sum(tf.cast(weights, tf.float32))
+    return totals
+
+
+def folded_value(record, n, totals):
+    """The value a micro-batch's output loss contributes, for one gradient pass.
+
+    The micro-batch's whole loss is multiplied by `n_micro / n` (regular
+    losses and terms are per-sample means); this rescales each output so that
+    its share is `normalizer_micro / normalizer_batch` instead. A masked
+    output's normalizer is unknown until the loop ends: its value is passed
+    without gradient (logged, not differentiated) and differentiated apart.
+
+    Args:
+        record: the output's `Record` for this micro-batch.
+        n: the batch's sample count (scalar tensor).
+        totals: `weight_totals` of the batch.
+
+    Returns:
+        The value Keras adds to the micro-batch's loss.
+    """
+    value = record.value
+    if record.kind == "samples":
+        return value
+    if record.kind == "masked":
+        return tf.stop_gradient(value)
+    n = tf.cast(n, tf.float32)
+    if record.kind == "unit":
+        factor = n / record.size
+    else:  # weights: (D_micro / D_batch) / (n_micro / n)
+        factor = tf.math.divide_no_nan(
+            n * record.denominator, record.size * totals[record.index]
+        )
+    return value * tf.cast(factor, value.dtype)
+
+
+def numerator(record):
+    """A masked output's summed loss in this piece (weighted, per replica), to differentiate."""
+    value = tf.cast(record.value, tf.float32)
+    if record.weight is not None:
+        value = value * tf.cast(record.weight, tf.float32)
+    return value * record.denominator
+
+
+# ----------------------------------------------------------------- helpers
+def option_of(options):
+    """`(name, value)` of the accumulation option in force, for messages."""
+    if options.micro_batches > 1:
+        return "micro_batches", options.micro_batches
+    return "accumulation_steps", options.accumulation_steps
+
+
+def _named_losses(loss):
+    """`[(name, reduction)]` of the Loss objects in a compile() `loss` argument."""
+    out = []
+    if isinstance(loss, dict):
+        items = list(loss.items())
+    elif isinstance(loss, (list, tuple)):
+        items = [(f"output_{i}", item) for i, item in enumerate(loss)]
+    else:
+        items = [("loss", loss)]
+    for name, item in items:
+        if isinstance(item, (dict, list, tuple)):
+            out += [(f"{name}/{n}", r) for n, r in _named_losses(item)]
+        elif isinstance(item, keras.losses.Loss):
+            out.append((name, item.reduction))
+        elif item is not None:
+            out.append((name, "sum_over_batch_size"))
+    return out
+
+
+def _describe(reductions):
+    return "{" + ", ".join(f"{n!r}: {r!r}" for n, r in reductions.items()) + "}"
+
+
+def _with_kind(record):
+    if record.kind == "weights":
+        return f"{record.reduction} with sample weights"
+    if record.kind == "masked":
+        return f"{record.reduction} of a masked output"
+    return record.reduction
+
+
+def _overrides_terms(model):
+    from keras_tapeops.mixin import TapeOpsMixin
+
+    return type(model).compute_terms is not TapeOpsMixin.compute_terms
+
+
+def _key(kind, index, sample_weight):
+    if kind in ("unit", "samples"):
+        return (kind,)
+    if kind == "weights" and not tf.nest.is_nested(sample_weight):
+        return (kind,)  # one weight vector for every output: one normalizer
+    return (kind, index)
+
+
+def _batch_size(structure):
+    first = next(t for t in tf.nest.flatten(structure) if t is not None)
+    return tf.shape(first)[0]
+
+
+def _same_rank(x1, x2):
+    """Squeezes or expands a trailing axis of size 1, as Keras's losses do."""
+    r1, r2 = x1.shape.rank, x2.shape.rank
+    if r1 == r2 + 1 and x1.shape[-1] == 1:
+        x1 = tf.squeeze(x1, -1) if r2 != 1 else x1
+        x2 = tf.expand_dims(x2, -1) if r2 == 1 else x2
+    elif r2 == r1 + 1 and x2.shape[-1] == 1:
+        x2 = tf.squeeze(x2, -1) if r1 != 1 else x2
+        x1 = tf.expand_dims(x1, -1) if r1 == 1 else x1
+    return x1, x2
+
+
+def _resolve(path, structure):
+    for key in path:
+        structure = structure[key]
+    return structure
+
+
+def _unwrapped(loss):
+    while isinstance(loss, ReducedLoss):
+        loss = loss.loss
+    return loss
+
+
+# ------------------------------------------------------------------ private
+# Keras has no public per-output view of the compiled loss (`CompileLoss`,
+# `model._compile_loss`). These helpers are the only private accesses: the
+# list of per-output losses `CompileLoss.call` iterates (Keras 3.10-3.15),
+# the Keras mask a tensor carries, and Keras's symbolic build.
+
+
+def _flat_losses(compile_loss):
+    """`CompileLoss._flat_losses`: `(path, loss, loss_weights, name)` per output."""
+    return list(compile_loss._flat_losses)
+
+
+def _set_flat_losses(compile_loss, entries):
+    compile_loss._flat_losses = list(entries)
+
+
+def _keras_mask(tensor):
+    """The Keras mask a prediction carries (`_keras_mask`), or None."""
+    if tf.nest.is_nested(tensor):
+        return None
+    return getattr(tensor, "_keras_mask", None)
+
+
+def _symbolic_build(model, data_batch):
+    """`Trainer._symbolic_build`: builds the model, compiled loss and metrics."""
+    model._symbolic_build(data_batch=data_batch)
