@@ -21,17 +21,29 @@ class SkipNonFinite(GradientTransform):
 
     With mixed precision the LossScaleOptimizer still sees the step as an
     overflow: it skips it and halves its scale, as without this transform
-    (an overflow of the scaled loss counts as a skipped step too). With
+    (an overflow of the scaled loss is logged as a skipped step too). With
     `accumulation_steps`, a non-finite batch makes its window's sum
     non-finite and the whole window is skipped (moving statistics of the
     window's batches are not restored). With `micro_batches`, the batch is
     skipped and its statistics restored.
 
+    What `max_consecutive` counts: steps whose true (unscaled) gradients
+    are not finite. Under a `LossScaleOptimizer` an overflow while its
+    scale is above 1 may come from the scale itself (the LossScaleOptimizer
+    then halves it, as during its warm-up from 2**15): such a step is skipped
+    and logged in `skipped_steps` but does not count, and does not reset the
+    count. At a scale of 1 or below the scaled gradient is no larger than the
+    true one, so a non-finite step counts. Healthy mixed-precision training
+    is never stopped; a diverged one stops after the scale has fallen to 1
+    (about 15 halvings from Keras's initial 2**15) and `max_consecutive`
+    more steps.
+
     Args:
-        max_consecutive: None, or an int >= 1: after this many skipped steps
-            in a row training stops with an error (the count is saved with
-            the model, so it survives `BackupAndRestore`). Not checked
-            under XLA (`jit_compile=True`), which drops assertions.
+        max_consecutive: None, or an int >= 1: after this many non-finite
+            steps in a row (see above) training stops with an error (the
+            count is saved with the model, so it survives
+            `BackupAndRestore`). Not checked under XLA (`jit_compile=True`),
+            which drops assertions.
         where: selector of the gradients checked (None: all).
         name: the logged metric's name.
 
@@ -57,6 +69,7 @@ class SkipNonFinite(GradientTransform):
         state = super().bind(model, variables, tree)
         state.add_variable("consecutive_skips", 0.0)
         state.add_metric(ReplicaAgreedCount(name=self.name))
+        state.model = model  # its optimizer's loss scale, read in each step
         return state
 
     def keep_step(self, grads, variables, state):
@@ -71,7 +84,9 @@ class SkipNonFinite(GradientTransform):
         # averages its replicas (see ReplicaAgreedCount).
         state.metrics[self.name].update_state(skipped)
         counter = state.variables["consecutive_skips"]
-        in_a_row = (counter + skipped) * skipped  # reset by a finite step
+        counts = skipped * _true_overflow(getattr(state, "model", None))
+        # A finite step resets the count; a loss-scale overflow leaves it.
+        in_a_row = tf.where(finite, 0.0, counter + counts)
         counter.assign(in_a_row)
         if self.max_consecutive is not None:
             tf.debugging.assert_less(
@@ -79,8 +94,12 @@ class SkipNonFinite(GradientTransform):
                 tf.constant(float(self.max_consecutive)),
                 message=(
                     f"SkipNonFinite: {self.max_consecutive} steps in a row had "
-                    "non-finite gradients, so training stops (lower the "
-                    "learning rate, check the data, or clip). Received: "
+                    "non-finite true gradients (loss-scale overflows of mixed "
+                    "precision are not counted), so training stops. Look for "
+                    "nan or inf in the inputs, targets or sample weights, a loss "
+                    "or layer that takes log(0), sqrt(0) or divides by zero, or "
+                    "a diverging model (lower the learning rate, clip the "
+                    "gradients). Received: "
                     f"max_consecutive={self.max_consecutive}"
                 ),
             )
@@ -130,6 +149,20 @@ class ReplicaAgreedCount(keras.metrics.Metric):
 
     def reset_state(self):
         self.total.assign(0.0)
+
+
+def _true_overflow(model):
+    """1.0 when a non-finite step is the true gradient's, 0.0 for a scale overflow.
+
+    Under a `LossScaleOptimizer` whose scale is above 1 an overflow may be
+    the scale's doing (it halves the scale and retries); at 1 or below, or
+    without dynamic loss scaling, the true gradient is not finite.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return tf.constant(1.0)
+    scale = tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale), tf.float32)
+    return tf.cast(scale <= 1.0, tf.float32)
 
 
 def _values(grad):
