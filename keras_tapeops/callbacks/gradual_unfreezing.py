@@ -10,10 +10,16 @@ then: Adam's bias correction starts afresh).
 
 How it works, in Keras 3 terms:
 
-- Freezing sets `variable.trainable = False` on the selected variables (not
-  `layer.trainable`): the layers keep their behaviour (BatchNormalization
-  keeps training-mode statistics and updates them; only the weights stop),
-  and Keras's "trainable state changed since compile" warning does not fire.
+- Frozen means what `layer.trainable = False` means in Keras. A layer all of
+  whose own trainable variables are in the frozen selection gets
+  `layer.trainable = False` (so a BatchNormalization layer runs in inference
+  mode, normalizing with its moving statistics and not updating them, as
+  Keras's own fine-tuning recipe freezes it); a layer only part of whose
+  variables are selected (a `"*/kernel"` glob) keeps its flag and only the
+  selected variables get `variable.trainable = False`. Unfreezing gives the
+  layer back `trainable = True`. A layer with no trainable variables of its
+  own (a container model, or a BatchNormalization with `center=False,
+  scale=False`) is never selected, so it keeps its behaviour.
 - The change takes effect at the next step: the callback re-creates the train
   function (`model.make_train_function(force=True)`, one new trace per
   change) and re-synchronizes a MultiOptimizer with the new variable list
@@ -40,6 +46,7 @@ import numbers
 import keras
 import numpy as np
 
+from keras_tapeops import _keras_private
 from keras_tapeops import selectors
 from keras_tapeops.callbacks.group_learning_rate import check_verbose
 from keras_tapeops.groups import trainable_capable_variables
@@ -81,6 +88,8 @@ class GradualUnfreezing(keras.callbacks.Callback):
         self._entries = []  # [(variables, at)] resolved for the model in fit
         self._frozen = frozenset()
         self._initial_flags = {}
+        self._layers = []  # [(layer, ids of its own trainable variables)]
+        self._initial_layer_flags = {}
         self._done = False
 
     # ------------------------------------------------------------ callbacks
@@ -104,6 +113,10 @@ class GradualUnfreezing(keras.callbacks.Callback):
         self._entries = entries
         scheduled = [v for chosen, _ in entries for v in chosen]
         self._initial_flags = {id(v): (v, v.trainable) for v in scheduled}
+        self._layers = frozen_layers_of(model, {id(v) for v in scheduled})
+        self._initial_layer_flags = {
+            id(layer): (layer, layer.trainable) for layer, _ in self._layers
+        }
         self._frozen = frozenset(id(v) for v in scheduled if not v.trainable)
         self._done = False
         self._prepare_optimizer(capable, scheduled)
@@ -119,6 +132,10 @@ class GradualUnfreezing(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         changed = False
+        for layer, flag in self._initial_layer_flags.values():
+            if layer.trainable != flag:
+                layer.trainable = flag
+                changed = True
         for v, flag in self._initial_flags.values():
             if v.trainable != flag:
                 v.trainable = flag
@@ -127,6 +144,8 @@ class GradualUnfreezing(keras.callbacks.Callback):
             self._resync()
         self._entries = []
         self._initial_flags = {}
+        self._layers = []
+        self._initial_layer_flags = {}
         self._frozen = frozenset()
 
     # ---------------------------------------------------------------- helpers
@@ -142,12 +161,17 @@ class GradualUnfreezing(keras.callbacks.Callback):
             id(v) for chosen, at in self._entries if position < at for v in chosen
         )
         self._done = not wanted
-        if wanted == self._frozen:
+        layers_agree = all(
+            layer.trainable == (not own <= wanted) for layer, own in self._layers
+        )
+        if wanted == self._frozen and layers_agree:
             return
         state = getattr(self.model, "tapeops_state", None)
         accumulator = getattr(state, "accumulator", None)
         if accumulator is not None and accumulator.pending_batches():
             return  # never inside an accumulation window; next batch
+        for layer, own in self._layers:  # first: its setter sets its variables
+            layer.trainable = not own <= wanted
         for chosen, at in self._entries:
             for v in chosen:
                 v.trainable = id(v) not in wanted
@@ -209,6 +233,40 @@ class GradualUnfreezing(keras.callbacks.Callback):
             (selectors.deserialize_selector(w), at) for w, at in config["schedule"]
         ]
         return cls(**config)
+
+
+def frozen_layers_of(model, scheduled):
+    """Layers a schedule freezes as a whole: `[(layer, ids of its own variables)]`.
+
+    A layer qualifies when it has trainable variables of its own (created
+    trainable, frozen now or not) and every one of them is scheduled; its
+    sublayers are handled on their own (a container's `trainable` setter
+    would reach into them).
+
+    Args:
+        model: the model being trained.
+        scheduled: ids of every variable of the schedule.
+
+    Returns:
+        The qualifying layers, each with the ids of its own variables.
+    """
+    out = []
+    for layer in _keras_private.all_layers(model):
+        own = {id(v) for v in own_trainable_capable_variables(layer)}
+        if own and own <= scheduled and not _keras_private.direct_sublayers(layer):
+            out.append((layer, frozenset(own)))
+    return out
+
+
+def own_trainable_capable_variables(layer):
+    """The variables `layer` itself created trainable (frozen now or not).
+
+    Keras keeps them in the private list `layer._trainable_variables`, the
+    one its `trainable` setter walks; no public API lists a layer's own
+    variables apart from its sublayers'. (Candidate for
+    `keras_tapeops._keras_private`, next to `trainable_capable_variables`.)
+    """
+    return list(getattr(layer, "_trainable_variables", []))
 
 
 def sync_multi_optimizer(model, variables):
