@@ -154,6 +154,76 @@ def group_optimizers(model_or_optimizer):
     return {sub.name: sub for sub in subs}
 
 
+def check_reused_optimizer(model, optimizer):
+    """Refuses a built MultiOptimizer that no longer fits the model's trainable variables.
+
+    Keras's MultiOptimizer applies exactly the variables it was built with
+    (its first step, or `GradualUnfreezing`, builds it). Compiled again after
+    a layer was unfrozen (or frozen), it fails inside `fit` ("Received 4
+    gradients and 2 variables"); its sub-optimizers hold no state for the
+    new variables and cannot grow, so it cannot be re-synchronized either.
+    Called by `compile()`, before anything changes.
+
+    Args:
+        model: the model being compiled.
+        optimizer: what was passed to `compile(optimizer=...)`.
+
+    Returns:
+        None. Raises ValueError saying to call `kt.optimizer_groups` again.
+
+    Example:
+    ```python
+    opt = kt.optimizer_groups(model, groups); model.compile(opt, "mse"); model.fit(x, y)
+    model.get_layer("backbone").trainable = True
+    model.compile(opt, "mse")   # ValueError: call kt.optimizer_groups again
+    ```
+    """
+    multi = _compat.multi_optimizer_class()
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if multi is None or not isinstance(inner, multi) or not inner.built:
+        return
+    if not model.built:
+        return
+    known = _built_variable_keys(inner)
+    now = list(model.trainable_variables)
+    now_keys = {_variable_key(inner, v) for v in now}
+    if now_keys == known:
+        return
+    added = [v.path for v in now if _variable_key(inner, v) not in known]
+    removed = len(known - now_keys)
+    change = []
+    if added:
+        change.append(f"{len(added)} trainable now that it does not know ({added})")
+    if removed:
+        change.append(f"{removed} it knows that are not trainable now")
+    raise ValueError(
+        f"The MultiOptimizer {inner.name!r} was built for {len(known)} trainable "
+        f"variables, and the model has {len(now)} now: "
+        f"{' and '.join(change)}. A layer was unfrozen or frozen since it was "
+        "built; Keras's MultiOptimizer applies exactly the variables it was "
+        "built with and its optimizers cannot grow. Call kt.optimizer_groups "
+        "(or kt.layerwise_lr_decay) again after changing what is trainable, "
+        "and compile with the new optimizer (or keep the layers trainable and "
+        "freeze them with kt.callbacks.GradualUnfreezing). "
+        f"Received: optimizer={inner.name!r} (built)"
+    )
+
+
+def _built_variable_keys(multi_optimizer):
+    """Keys of the variables a built MultiOptimizer applies.
+
+    Keras keeps them only in the private index `_trainable_variables_indices`
+    (what `MultiOptimizer.apply` counts the gradients against), keyed by the
+    private `_var_key`.
+    """
+    return set(multi_optimizer._trainable_variables_indices)
+
+
+def _variable_key(optimizer, variable):
+    """The key Keras's optimizers index a variable by (the private `_var_key`)."""
+    return optimizer._var_key(variable)
+
+
 # ------------------------------------------------------------- shared helpers
 def require_multi_optimizer(caller):
     """Returns `keras.optimizers.MultiOptimizer`, or raises naming the Keras needed."""
