@@ -8,6 +8,15 @@ import contextlib
 import threading
 
 import keras
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401
+
+# `KerasSaveable` (above) is the private base class of what `model.save` and
+# `save_weights` walk (layers, optimizers, metrics): an attribute of a model
+# that is one is saved under the attribute's name with its
+# `save_own_variables` and restored with `load_own_variables`. Keras exports
+# no public base for saveable state that is neither a layer (whose variables
+# would be weights) nor a metric (which `fit` resets every epoch); the
+# training state of keras_tapeops options (`state.TrainingState`) is one.
 
 
 def loss_tracker(model):
@@ -81,25 +90,52 @@ def _identity_all_reduce(grads_and_vars):
     return list(grads_and_vars)
 
 
-def logged_metric_names(model, y=None, y_pred=None):
+def logged_metric_names(model, metrics, y=None, y_pred=None):
     """Names stock Keras logs for `model`: loss, compiled metrics, per-output losses.
 
     The compiled metrics (`model._compile_metrics`, a `CompileMetrics`) are
-    built lazily on their first update and list their names only once built;
-    given `y` and `y_pred` this builds them first, as their first update
-    would. Loss terms must not reuse these names (a term's entry would
-    overwrite the metric's in History).
+    built lazily (Keras builds them symbolically before the first step of
+    `fit`/`evaluate`, or on their first update) and list their names only
+    once built; given `y` and `y_pred` this builds them first, as their
+    first update would. keras_tapeops's logged names must not reuse these
+    (an entry would overwrite the metric's in History).
+
+    Args:
+        model: the compiled model.
+        metrics: the model's stock `metrics` list (without keras_tapeops's).
+        y, y_pred: optional batch targets and outputs.
+
+    Returns:
+        The list of names, or None while the compiled metrics or the
+        compiled loss (`model._compile_loss`, whose per-output loss trackers
+        appear when it is built) are not built and no `y_pred` is given.
     """
     compiled = model._compile_metrics
-    if compiled is not None and not compiled.built and y_pred is not None:
+    compiled_loss = model._compile_loss
+    unbuilt = [c for c in (compiled, compiled_loss) if c is not None and not c.built]
+    if unbuilt and y_pred is None:
+        return None
+    if compiled is not None and not compiled.built:
         compiled.build(y, y_pred)
     names = []
-    for metric in keras.Model.metrics.fget(model):
+    for metric in metrics:
         if metric is compiled:
             names.extend(m.name for m in compiled.metrics)
         else:
             names.append(metric.name)
     return names
+
+
+def symbolic_build(model, data):
+    """Builds `model`'s compiled metrics and loss on symbolic tensors of `data`.
+
+    Keras does this (`Trainer._symbolic_build`, private) before the first
+    step under a distribution strategy and otherwise when it traces the
+    step. An eagerly run step (`run_eagerly=True`) calls it before its
+    forward pass so that the names Keras logs are known before anything
+    (BatchNormalization statistics included) changes.
+    """
+    model._symbolic_build(data_batch=data)
 
 
 def is_loss_scale_optimizer(optimizer):
@@ -149,24 +185,6 @@ def in_symbolic_build():
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
-
-
-def set_owned_variables(model, name, variables):
-    """Makes `variables` the model's own non-trainable variables under `name`.
-
-    Assigning a list of variables to a model attribute is how Keras tracks
-    them (they are saved with the model and by `save_weights`), but deleting
-    or replacing the attribute does not untrack the old ones: that needs the
-    private `Layer._untrack_variable`. Used for the variables of stateful
-    gradient transforms, which change when the model is compiled again.
-    """
-    old = model.__dict__.get(name)
-    if old is not None:
-        for variable in old:
-            model._untrack_variable(variable)
-        object.__delattr__(model, name)
-    if variables:
-        setattr(model, name, list(variables))
 
 
 def maybe_symbolic_build(model, iterator, data_batch, stock):

@@ -12,6 +12,7 @@ With no keras_tapeops option every hook reduces to the stock Keras step.
 """
 
 import contextlib
+import threading
 import warnings
 
 import keras
@@ -106,25 +107,30 @@ class TapeOpsMixin:
         )
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         check_optimizer_conflicts(optimizer, options)
-        check_term_names_against_compile_args(options, args, kwargs)
         # Resolve everything against this model before touching the previous
         # compilation: a bad option leaves the model as it was.
         state = ModelState(self, options)
+        check_logged_names_against_compile_args(state, args, kwargs)
         super().compile(*args, **kwargs)
         state.create_trackers()
         # Plain object attributes: Keras's tracker ignores them, so the term
-        # and transform metrics are listed once, through `metrics` below.
+        # and transform metrics are listed once, through `metrics` below, and
+        # the options' variables are not weights (see `_tapeops_training_state`).
         self._tapeops = options
         self._tapeops_state = state
-        self._own_transform_variables()
 
-    def _own_transform_variables(self):
-        """Tracks the bound transforms' variables as the model's own (saved)."""
+    @property
+    def _tapeops_training_state(self):
+        """The options' training state, saved by `save`/`save_weights` (or None).
+
+        Keras saves every saveable attribute of a model under the
+        attribute's name; this one holds the variables of stateful transforms
+        and of the multi-gradient engine (`state.TrainingState`), which are
+        not in `model.weights`. A stock model has no such entry and ignores
+        it in a file.
+        """
         state = self.tapeops_state
-        wanted = state.training_state_variables if state is not None else []
-        current = self.__dict__.get("_tapeops_transform_variables") or []
-        if [id(v) for v in current] != [id(v) for v in wanted]:
-            private.set_owned_variables(self, "_tapeops_transform_variables", wanted)
+        return state.saveable if state is not None else None
 
     def get_compile_config(self):
         config = super().get_compile_config()
@@ -145,12 +151,25 @@ class TapeOpsMixin:
         return super().save(filepath, *args, **kwargs)
 
     def compile_from_config(self, config):
+        """Compiles a loaded model as it was saved, with its keras_tapeops options.
+
+        As in stock Keras, a class whose `compile()` is its own (beyond the
+        mixin's, e.g. `compile(self, d_optimizer, g_optimizer)`) is not
+        compiled on load: Keras warns and the model is returned uncompiled
+        (compile it, or override this method).
+        """
+        if not self._tapeops_replays_compile(config):
+            return super().compile_from_config(config)  # stock: warns, skips
         config = dict(config)
         ours = {k: config.pop(k) for k in OPTION_NAMES if k in config}
         stock = keras.saving.deserialize_keras_object(config)
         self.compile(**stock, **TapeOpsOptions.kwargs_from_config(ours))
         if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
+
+    def _tapeops_replays_compile(self, config):
+        """True when loading may call `compile(**config)` (no compile override)."""
+        return type(self).compile is TapeOpsMixin.compile
 
     @property
     def tapeops_options(self):
@@ -164,11 +183,23 @@ class TapeOpsMixin:
 
     @property
     def metrics(self):
+        """Stock metrics, then the term trackers and transform/engine metrics.
+
+        The keras_tapeops metrics are left out where nothing updates them: in
+        a `train_step` (`test_step`) override that does not call the mixin's,
+        and afterwards, once such an override has run.
+        """
         metrics = super().metrics
         state = self.tapeops_state
-        if state is not None and self.compiled:
+        if state is not None and self.compiled and self._tapeops_metrics_updated(state):
             metrics = metrics + state.metrics
         return metrics
+
+    def _tapeops_metrics_updated(self, state):
+        if _in_replaced_step(self):
+            return False
+        step = "test" if self._tapeops_evaluating else "train"
+        return step not in state.replaced_steps
 
     def get_metrics_result(self):
         """Stock metric results, without training-only terms while evaluating.
@@ -231,15 +262,66 @@ class TapeOpsMixin:
 
     def make_train_function(self, force=False):
         self.build_tapeops()
-        super().make_train_function(force=force)
+        self._check_logged_names()
+        with self._watching_step("train_step"):
+            super().make_train_function(force=force)
         self.train_function = private.with_multi_worker_logs(self, self.train_function)
         return self.train_function
 
     def make_test_function(self, force=False):
         self.build_tapeops()
-        super().make_test_function(force=force)
+        self._check_logged_names()
+        with self._watching_step("test_step"):
+            super().make_test_function(force=force)
         self.test_function = private.with_multi_worker_logs(self, self.test_function)
         return self.test_function
+
+    @contextlib.contextmanager
+    def _watching_step(self, name):
+        """While Keras makes its step function, an overridden step is watched.
+
+        Keras wraps `self.train_step` (`test_step`) when it makes the
+        function; if the class overrides it, the function gets a wrapper that
+        records whether the override reached the mixin's step (`super()`).
+        One that did not replaces the keras_tapeops step: `_step_replaced`
+        warns and hides the metrics nothing updates.
+        """
+        state = self.tapeops_state
+        if state is None or getattr(type(self), name) is getattr(TapeOpsMixin, name):
+            yield
+            return
+        override = getattr(self, name)
+
+        def watched(data):
+            with _step_record(self) as record:
+                outputs = override(data)
+            if not record["ran"]:
+                self._step_replaced(name)
+            return outputs
+
+        object.__setattr__(self, name, watched)  # an instance attribute, for Keras to wrap
+        try:
+            yield
+        finally:
+            object.__delattr__(self, name)
+
+    def _step_replaced(self, name):
+        """A `name` override ran without the mixin's step: warn once, hide metrics."""
+        state = self.tapeops_state
+        step = "train" if name == "train_step" else "test"
+        if state is None or step in state.replaced_steps:
+            return
+        state.replaced_steps.add(step)
+        applied = state.options.set_option_names()
+        if step == "train" and applied:
+            warnings.warn(
+                f"{type(self).__name__}.train_step does not call "
+                "super().train_step(data), so the keras_tapeops options "
+                f"compiled into this model ({', '.join(applied)}) are not "
+                "applied by it, and their metrics are not logged. Call "
+                "super().train_step(data) in it, or compile without them.",
+                stacklevel=2,
+            )
 
     def build_tapeops(self):
         """Binds this model's state to its variables once they exist; returns it.
@@ -251,17 +333,19 @@ class TapeOpsMixin:
         state = self.tapeops_state
         if state is not None and self.built:
             state.bind_variables(self)
-            self._own_transform_variables()
+            state.saveable.restore_pending()
         return state
 
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
+        _mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self.build_tapeops()
+        self._check_logged_names_before_forward(data)
         statistics = step_gate.batch_norm_snapshot(self, state)
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
         self.build_tapeops()  # binds now if the forward pass built the model
-        _check_term_names_against_metrics(self, y, y_pred)
+        self._check_logged_names(y, y_pred)
         if self.trainable_weights:
             keep = self.update_weights(grads, batch_size(x))
             step_gate.restore_unless(keep, statistics)
@@ -270,10 +354,12 @@ class TapeOpsMixin:
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
+        _mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.build_tapeops()
+        self._check_logged_names_before_forward(data)
         _, y_pred = self.compute_total_loss(x, y, sample_weight, training=False)
-        _check_term_names_against_metrics(self, y, y_pred)
+        self._check_logged_names(y, y_pred)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------ hooks
@@ -503,6 +589,51 @@ class TapeOpsMixin:
         return apply_in_order(state.transforms, grads, variables)
 
     # ---------------------------------------------------------------- helpers
+    def _check_logged_names(self, y=None, y_pred=None):
+        """Raises if a name the options log is also a name stock Keras logs.
+
+        Runs before the step function is made (Keras has built the compiled
+        metrics and per-output losses symbolically by then) and, as a
+        fallback, in the first traced step (given `y`, `y_pred` it builds
+        them). Both are before any weight update. `compile()` already checked
+        the names its arguments show. A failed check stores nothing:
+        compiling again with a free name works.
+        """
+        state = self.tapeops_state
+        if state is None or state.metric_names_checked or not state.variables_bound:
+            return
+        ours = state.logged_metrics
+        if ours:
+            taken = private.logged_metric_names(self, super().metrics, y, y_pred)
+            if taken is None:
+                return  # not known yet: checked in the first step
+            for name, subject in ours.items():
+                if name in taken:
+                    raise ValueError(
+                        f"{subject} clashes with a metric of the model "
+                        f"({sorted(taken)}). Received: name={name!r}"
+                    )
+        state.metric_names_checked = True
+
+    def _check_logged_names_before_forward(self, data):
+        """The name check, before an eager step's forward pass changes anything.
+
+        A traced step only raises at trace time (nothing has run), so
+        checking after its forward pass is early enough; an eager one
+        (`run_eagerly=True`) builds the model and Keras's compiled metrics
+        and loss symbolically first, as Keras does under a distribution
+        strategy.
+        """
+        state = self.tapeops_state
+        logs_names = state is not None and (
+            state.options.loss_terms or state.options.gradient_transforms
+            or state.engine is not None
+        )
+        if logs_names and not state.metric_names_checked and tf.executing_eagerly():
+            private.symbolic_build(self, data)  # builds the model too, if needed
+            self.build_tapeops()
+        self._check_logged_names()
+
     @contextlib.contextmanager
     def _forward_recorder(self, terms, x):
         layers = [
@@ -556,43 +687,26 @@ def unscale_for_distribution(value):
     return value
 
 
-def _check_term_names_against_metrics(model, y, y_pred):
-    """Raises if a loss term's name is also a name stock Keras logs.
+def check_logged_names_against_compile_args(state, args, kwargs):
+    """Raises at `compile()` if a logged name is that of a metric passed to it.
 
-    Runs in the first traced step after the forward pass, when Keras has
-    built the compiled metrics and per-output losses, before any weight
-    update (`compile()` already checked the names it could see). A failed
-    check stores nothing: compiling again with a fixed name works.
-    """
-    state = model.tapeops_state
-    if state is None or not state.terms or state.metric_names_checked:
-        return
-    taken = set(private.logged_metric_names(model, y, y_pred))
-    for term, _ in state.terms:
-        if term.name in taken:
-            raise ValueError(
-                f"Loss term name {term.name!r} clashes with a metric of the "
-                f"model ({sorted(taken)}). Received: name={term.name!r}"
-            )
-    state.metric_names_checked = True
-
-
-def check_term_names_against_compile_args(options, args, kwargs):
-    """Raises at `compile()` if a term is named like a metric passed to it.
-
-    Covers metrics given by name or as objects and per-output losses of dict
-    losses; names Keras resolves later are checked in the first step.
+    Checks every name the model's options log (`ModelState.logged_metrics`:
+    terms, bound transforms' metrics, the engine's metrics) against metrics
+    given by name or as objects and per-output losses of dict losses; names
+    Keras resolves later, and transform metrics of a model not built yet,
+    are checked before the first step (`TapeOpsMixin._check_logged_names`).
 
     Args:
-        options: the validated `TapeOpsOptions`.
+        state: the new `ModelState`.
         args, kwargs: the stock `compile()` arguments.
 
     Returns:
         None.
     """
-    if not options.loss_terms:
+    ours = state.logged_metrics
+    if not ours:
         return
-    names = set()
+    names = {"loss"}
     for key in ("metrics", "weighted_metrics"):
         for metric in tf.nest.flatten(kwargs.get(key) or []):
             name = metric if isinstance(metric, str) else getattr(metric, "name", None)
@@ -600,13 +714,46 @@ def check_term_names_against_compile_args(options, args, kwargs):
     loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
     if isinstance(loss, dict):
         names.update(f"{output}_loss" for output in loss)
-    for term in options.loss_terms:
-        if term.name in names:
+    for name, subject in ours.items():
+        if name in names:
             raise ValueError(
-                f"Loss term name {term.name!r} clashes with a metric or loss "
-                f"passed to compile() ({sorted(n for n in names if n)}). "
-                f"Received: name={term.name!r}"
+                f"{subject} clashes with a metric or loss passed to compile() "
+                f"({sorted(n for n in names if n)}). Received: name={name!r}"
             )
+
+
+_STEP_RECORDS = threading.local()  # per thread: replicas trace in their own
+
+
+@contextlib.contextmanager
+def _step_record(model):
+    """Records, for one call of an overridden step, whether the mixin's step ran."""
+    records = _STEP_RECORDS.__dict__.setdefault("records", [])
+    record = {"model": model, "ran": False}
+    records.append(record)
+    try:
+        yield record
+    finally:
+        records.pop()
+
+
+def _innermost_record(model):
+    for record in reversed(getattr(_STEP_RECORDS, "records", [])):
+        if record["model"] is model:
+            return record
+    return None
+
+
+def _mark_step_ran(model):
+    record = _innermost_record(model)
+    if record is not None:
+        record["ran"] = True
+
+
+def _in_replaced_step(model):
+    """True inside an overridden step that has not (yet) reached the mixin's."""
+    record = _innermost_record(model)
+    return record is not None and not record["ran"]
 
 
 _OPTIMIZER_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")

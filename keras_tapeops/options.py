@@ -142,6 +142,25 @@ class TapeOpsOptions(ConfigRepr):
             or self.multi_gradient is not None
         )
 
+    def set_option_names(self):
+        """The options that change the stock step, as `compile()` arguments.
+
+        Returns:
+            A list such as `["gradient_transforms", "micro_batches=2"]`;
+            empty when `is_stock`.
+        """
+        names = [n for n in ("gradient_transforms", "loss_terms") if getattr(self, n)]
+        names += [
+            f"{n}={getattr(self, n)}"
+            for n in ("micro_batches", "accumulation_steps")
+            if getattr(self, n) > 1
+        ]
+        names += [
+            n for n in ("sharpness_aware",) + MULTI_GRADIENT_OPTIONS
+            if getattr(self, n) is not None
+        ]
+        return names
+
     @property
     def accumulates(self):
         """True when gradients are summed over micro-batches or batches."""

@@ -5,7 +5,9 @@ model derives from them lives here, one object per model and compilation:
 
 - each term's state (`term.bind(model)`: e.g. the resolved layer),
 - each transform's state (`transform.bind(model, variables)`: the selection),
-- one `Mean` tracker per term, and the cross-batch accumulator.
+- one `Mean` tracker per term, and the cross-batch accumulator,
+- the training state it saves (`TrainingState`: the transforms' and the
+  multi-gradient engine's variables, which are not weights).
 
 Terms are bound when the state is created (their layers exist even in an
 unbuilt model); transforms and the accumulator need the model's variables,
@@ -15,8 +17,12 @@ first step. A model whose trainable variables change (a layer unfrozen)
 rebinds them before its next traced step.
 """
 
-import keras
+import warnings
 
+import keras
+import numpy as np
+
+from keras_tapeops import _keras_private as private
 from keras_tapeops import accumulation
 from keras_tapeops import paths
 from keras_tapeops.transforms.base import GradientTransform
@@ -51,6 +57,9 @@ class ModelState:
         self.metric_names_checked = False
         self._bound_variables = None
         self.engine = None  # the multi-gradient option's MultiGradientState
+        self.saveable = TrainingState(self)
+        # "train"/"test" once a step override was seen not to run the mixin's.
+        self.replaced_steps = set()
         chosen = options.multi_gradient
         if chosen is not None:
             with model.distribute_strategy.scope():  # its variables, metrics
@@ -94,7 +103,7 @@ class ModelState:
                 (t, t.bind(model, variables, tree))
                 for t in options.gradient_transforms
             ]
-        _check_metric_names(transforms, options.loss_terms)
+        _check_metric_names(transforms, options.loss_terms, self.engine)
         sam = options.sharpness_aware
         sam_selected = sam.bind(model, variables, tree) if sam is not None else None
         if options.accumulates:
@@ -119,8 +128,47 @@ class ModelState:
     @property
     def training_state_variables(self):
         """Transform variables, then the multi-gradient engine's (saved, not weights)."""
-        engine = list(self.engine.variables) if self.engine is not None else []
-        return self.transform_variables + engine
+        return [variable for _, variable in self.training_state_items()]
+
+    def training_state_items(self):
+        """`(key, variable)` of the training state, keyed as saved in files.
+
+        A transform's variable is keyed `"<position in gradient_transforms>.
+        <class>.<variable name>"`, an engine's `"<option>.<class>.<index>"`, so
+        a file saved with other options restores what matches by key.
+        """
+        items = [
+            (f"{i}.{type(t).__name__}.{name}", variable)
+            for i, (t, s) in enumerate(self.transforms or [])
+            for name, variable in s.variables.items()
+        ]
+        if self.engine is not None:
+            option_name, option = self.options.multi_gradient
+            items += [
+                (f"{option_name}.{type(option).__name__}.{j}", variable)
+                for j, variable in enumerate(self.engine.variables)
+            ]
+        return items
+
+    @property
+    def logged_metrics(self):
+        """`{name: description}` of every name this state adds to the logs.
+
+        Term names, the bound transforms' metrics and the engine's metrics;
+        each description reads like "LogGradientNorm metric name 'grad_norm'"
+        (for messages).
+        """
+        names = {t.name: f"Loss term name {t.name!r}" for t in self.options.loss_terms}
+        for transform, state in self.transforms or []:
+            for name in state.metrics:
+                names.setdefault(name, f"{type(transform).__name__} metric name {name!r}")
+        if self.engine is not None:
+            option_name, option = self.options.multi_gradient
+            for name in self.engine.metrics:
+                names.setdefault(
+                    name, f"{option_name}={type(option).__name__} metric name {name!r}"
+                )
+        return names
 
     @property
     def metrics(self):
@@ -150,15 +198,109 @@ class ModelState:
         return self._bound_variables is not None
 
 
-def _check_metric_names(transforms, terms):
-    """Raises if two transform metrics, or a metric and a term, share a name."""
+def _check_metric_names(transforms, terms, engine=None):
+    """Raises if a logged name is taken twice, is "loss", or starts with "val_".
+
+    Terms, transform metrics and the multi-gradient engine's metrics are all
+    logged in History under their names (term names are checked alone by
+    `TapeOpsOptions`). Names stock Keras logs are checked against them in
+    `TapeOpsMixin` (at `compile()` and before the first step).
+    """
     seen = {term.name: f"loss term {term.name!r}" for term in terms}
-    for transform, state in transforms:
-        for name in state.metrics:
-            if name in seen or name == "loss":
-                raise ValueError(
-                    f"{type(transform).__name__} logs a metric named {name!r}, "
-                    f"which is already taken (by {seen.get(name, 'the loss')}). "
-                    f"Give it another `name`. Received: name={name!r}"
-                )
-            seen[name] = f"{type(transform).__name__}"
+    owners = [(type(t).__name__, s.metrics) for t, s in transforms]
+    if engine is not None:
+        owners.append((f"The {type(engine).__name__} engine", engine.metrics))
+    for owner, metrics in owners:
+        for name in metrics:
+            check_logged_name(owner, name, seen)
+            seen[name] = owner
+
+
+def check_logged_name(owner, name, taken):
+    """Raises ValueError if `owner` may not log under `name`.
+
+    Args:
+        owner: who logs it (for the message), e.g. "LogGradientNorm".
+        name: the logged name.
+        taken: `{name: what logs it}` of names already logged.
+
+    Returns:
+        None.
+    """
+    if name in taken or name == "loss":
+        raise ValueError(
+            f"{owner} logs a metric named {name!r}, which is already taken "
+            f"(by {taken.get(name, 'the loss')}). Give it another `name`. "
+            f"Received: name={name!r}"
+        )
+    if name.startswith("val_"):
+        raise ValueError(
+            f"{owner} logs a metric named {name!r}: names starting with 'val_' "
+            "are Keras's validation logs ('val_<name>'), and a training "
+            "metric named so would clash with or hide one. Give it another "
+            f"`name`. Received: name={name!r}"
+        )
+
+
+class TrainingState(private.KerasSaveable):
+    """The training state of one model's options, as Keras saves it.
+
+    The transforms' variables (e.g. `SkipNonFinite`'s count of skipped steps
+    in a row) and the multi-gradient engine's are training state, like the
+    optimizer's: they are not in `model.weights` (so `get_weights`,
+    `set_weights` and weight files are the stock model's), but `model.save`,
+    `save_weights` and so `BackupAndRestore` write them, under the model's
+    `_tapeops_training_state` entry, and loading restores them. A stock model
+    never reads that entry; a file without it (a stock model's, or one saved
+    without stateful options) leaves the state as it is; entries of another
+    configuration are skipped with a warning, as Keras skips an optimizer
+    whose variables do not match.
+
+    Args:
+        state: the `ModelState` whose variables this saves.
+    """
+
+    def __init__(self, state):
+        self._state = state
+        self._pending = None  # loaded before the transforms were bound
+
+    def _obj_type(self):
+        # Keras's saving walk asks every saveable for its type to pick the
+        # attributes it skips; "Loss" skips a plain object's (this one has
+        # no child to save).
+        return "Loss"
+
+    def save_own_variables(self, store):
+        for key, variable in self._state.training_state_items():
+            store[key] = variable
+
+    def load_own_variables(self, store):
+        saved = {key: np.asarray(store[key]) for key in store.keys()}
+        if not saved:
+            return
+        self._pending = saved
+        self.restore_pending()
+
+    def restore_pending(self):
+        """Assigns loaded values once the variables exist; warns about leftovers."""
+        state = self._state
+        if self._pending is None:
+            return
+        if state.options.gradient_transforms and not state.variables_bound:
+            return  # bound before the first step; restored then
+        saved, self._pending = self._pending, None
+        skipped = []
+        for key, variable in state.training_state_items():
+            value = saved.pop(key, None)
+            if value is not None and tuple(value.shape) == tuple(variable.shape):
+                variable.assign(value)
+            else:
+                skipped.append(key)
+        skipped += sorted(saved)
+        if skipped:
+            warnings.warn(
+                "Skipping part of the keras_tapeops training state: the file "
+                "was saved with other gradient_transforms or options. Not "
+                f"restored (left as they were, or not in this model): {skipped}",
+                stacklevel=2,
+            )

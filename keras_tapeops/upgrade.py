@@ -25,6 +25,7 @@ needs to load the original class.
 """
 
 import importlib
+import inspect
 import weakref
 
 import keras
@@ -200,6 +201,22 @@ class _UpgradedModel:
         config = dict(super().get_config())
         config[BASE_CLASS_KEY] = _class_spec(self._tapeops_base_class)
         return config
+
+    def _tapeops_replays_compile(self, config):
+        """Loading compiles through the class's own `compile()` if it takes the config.
+
+        `upgrade` promises that a saved upgraded model comes back compiled
+        with its keras_tapeops options. keras-hub Tasks override `compile()`
+        with `optimizer`, `loss`, `metrics` and `**kwargs`, so the saved
+        arguments go through it. A `compile()` with another signature (say
+        `compile(self, d_optimizer, g_optimizer)`) is skipped with Keras's
+        warning, as stock Keras skips every custom `compile()`.
+        """
+        try:
+            inspect.signature(type(self).compile).bind(self, **config)
+        except TypeError:
+            return False
+        return True
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
