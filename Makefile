@@ -24,6 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
+# Keras's own trainer, model, callback, saving and distillation tests, stock and
+# with kt.TapeOpsMixin in every model: fails if a test fails only with the mixin
+# (tools/keras_tests/). Not part of `make test`: about 10-25 min on 2 cores.
+.PHONY: test-keras
+test-keras: $(STAMP)
+	$(PY) tools/keras_tests/run.py
+
 # The documentation site into build/site: the examples draw the figures, then a
 # strict mkdocs build (README home page, docs/*.md, API reference from docstrings).
 .PHONY: docs
