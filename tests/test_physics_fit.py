@@ -324,3 +324,151 @@ def test_model_input_dimension_is_checked_at_compile():
         model.compile(optimizer="sgd", loss="mse",
                       loss_terms=[kt.PDEResidual(burgers, sampler)])
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_lbfgs_objective_is_the_fit_loss_at_the_current_step():
+    # The first loss lbfgs reports is the training objective fit minimizes
+    # (data MSE + weighted terms, points of the optimizer's current step),
+    # computed here by the hand-written loop's math.
+    oracle = plain_model()
+    initial = oracle.get_weights()
+    model = tapeops_model(initial)
+    fit(model)   # 4 steps: the sampler is now at step 4
+    x, y = data()
+    k = int(model.optimizer.iterations)
+    points = oracle_points("box", tf.constant(k, "int64"))
+    with tf.GradientTape() as second:
+        second.watch(points)
+        with tf.GradientTape() as first:
+            first.watch(points)
+            u = model(points)
+        grad = first.gradient(u, points)
+        u_x = grad[:, 0]
+    u_xx = second.gradient(u_x, points)[:, 0]
+    residual = grad[:, 1] + u[:, 0] * u_x - NU * u_xx
+    expected = (np.mean((model.predict(x, verbose=0) - y) ** 2)
+                + W_PDE * float(tf.reduce_mean(residual ** 2))
+                + W_BC * np.mean(model.predict(boundary_points(), verbose=0) ** 2))
+    before = [v.numpy() for v in model.metrics_variables]
+    history = kt.physics.lbfgs(model, x, y, iterations=5)
+    np.testing.assert_allclose(history["loss"][0], expected, rtol=1e-5)
+    assert history["loss"][-1] < history["loss"][0]
+    assert int(model.optimizer.iterations) == k   # no optimizer step, nothing logged
+    for a, b in zip(before, model.metrics_variables):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_lbfgs_solves_least_squares_like_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3 + 0.1 * rng.normal(size=(40, 1))).astype("float32")
+    model = kt.upgrade(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile(optimizer="sgd", loss="mse")
+    history = kt.physics.lbfgs(model, x, y, iterations=100)
+    design = np.concatenate([x, np.ones((40, 1))], 1).astype("float64")
+    solution = np.linalg.lstsq(design, y.astype("float64"), rcond=None)[0]
+    kernel, bias = model.get_weights()
+    np.testing.assert_allclose(np.concatenate([kernel.ravel(), bias]), solution.ravel(), atol=1e-4)
+    assert history["stopped"] in ("gradient", "no_progress")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"iterations": 0}, "Received: iterations=0"),
+    ({"history_size": -1}, "Received: history_size=-1"),
+    ({"tolerance": -1.0}, "Received: tolerance=-1.0"),
+    ({"callback": 3}, "Received: callback=3"),
+])
+def test_lbfgs_bad_arguments(kwargs, message):
+    model = tapeops_model(plain_model().get_weights())
+    x, y = data()
+    with pytest.raises((TypeError, ValueError), match=message):
+        kt.physics.lbfgs(model, x, y, **kwargs)
+
+
+def test_lbfgs_needs_a_compiled_tapeops_model():
+    x, y = data()
+    with pytest.raises(ValueError, match="Received: model=Sequential"):
+        kt.physics.lbfgs(plain_model(), x, y)
+    with pytest.raises(ValueError, match="compiled=False"):
+        kt.physics.lbfgs(kt.upgrade(plain_model()), x, y)
+
+
+def round_trip(obj):
+    config = keras.saving.serialize_keras_object(obj)
+    restored = keras.saving.deserialize_keras_object(config)
+    assert type(restored) is type(obj)
+    assert restored.get_config() == obj.get_config()
+    return restored
+
+
+def test_config_round_trips():
+    box = kt.physics.BoxSampler([-1, 0.0], [1, 1.0], n=5, seed=7, resample_every=3)
+    restored = round_trip(box)
+    np.testing.assert_array_equal(restored.sample(4), box.sample(5))  # same key: 4 // 3 == 5 // 3
+    fixed = round_trip(kt.physics.FixedPoints(FIXED))
+    np.testing.assert_array_equal(fixed.points, FIXED)
+    residual = round_trip(kt.PDEResidual(burgers, box, order=2, mode="forward", mixed=[(0, 1)],
+                                         weight=0.5, name="pde", in_validation=True))
+    assert residual.residual_fn is burgers and residual.mixed == [[0, 1]]
+    assert isinstance(round_trip(kt.PDEResidual(burgers, FIXED)).collocation, kt.physics.FixedPoints)
+    schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)
+    assert isinstance(round_trip(kt.PDEResidual(burgers, box, weight=schedule)).weight,
+                      keras.optimizers.schedules.ExponentialDecay)
+    for values in (0.5, initial_values, np.arange(14.0)):
+        restored = round_trip(kt.ConditionLoss(boundary_points(), values, name="c"))
+        if isinstance(values, np.ndarray):
+            np.testing.assert_array_equal(restored.values, values.astype("float32"))
+    assert repr(box) == "BoxSampler(low=[-1.0, 0.0], high=[1.0, 1.0], n=5, seed=7, resample_every=3)"
+    assert repr(kt.physics.FixedPoints(FIXED)) == "FixedPoints(n=25, dim=2)"
+
+
+def test_points_change_with_the_step_and_stay_in_the_box():
+    box = kt.physics.BoxSampler([-1.0, 2.0], [1.0, 2.0], n=50, seed=1)
+    a, b = box.sample(0).numpy(), box.sample(1).numpy()
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(a, box.sample(tf.constant(0, "int64")))
+    assert a[:, 0].min() >= -1 and a[:, 0].max() <= 1 and np.all(a[:, 1] == 2.0)
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: kt.physics.BoxSampler([0.0], [1.0, 2.0], 4), ValueError, "Received: low=[0.0], high=[1.0, 2.0]"),
+    (lambda: kt.physics.BoxSampler([1.0], [0.0], 4), ValueError, "Received: low=[1.0], high=[0.0]"),
+    (lambda: kt.physics.BoxSampler([0.0], [np.nan], 4), ValueError, "Received: high[0]=nan"),
+    (lambda: kt.physics.BoxSampler("a", [1.0], 4), TypeError, "Received: low='a'"),
+    (lambda: kt.physics.BoxSampler([0.0], [1.0], 0), ValueError, "Received: n=0"),
+    (lambda: kt.physics.BoxSampler([0.0], [1.0], 4, seed=-1), ValueError, "Received: seed=-1"),
+    (lambda: kt.physics.BoxSampler([0.0], [1.0], 4, seed=1.5), TypeError, "Received: seed=1.5"),
+    (lambda: kt.physics.BoxSampler([0.0], [1.0], 4, resample_every=0), ValueError,
+     "Received: resample_every=0"),
+    (lambda: kt.physics.FixedPoints(np.zeros(3)), ValueError, "Received: points of shape (3,)"),
+    (lambda: kt.physics.FixedPoints([["a"]]), TypeError, "Received: points of dtype <U1"),
+    (lambda: kt.physics.FixedPoints([[np.inf]]), ValueError, "Received: points with 1 non-finite"),
+    (lambda: kt.PDEResidual(3, FIXED), TypeError, "Received: residual_fn=3"),
+    (lambda: kt.PDEResidual(burgers, "box"), TypeError, "Received: collocation='box'"),
+    (lambda: kt.PDEResidual(burgers, np.zeros((4, 2), "float32")[:, 0]), ValueError,
+     "Received: collocation of shape (4,)"),
+    (lambda: kt.PDEResidual(burgers, FIXED, order=3), ValueError, "Received: order=3"),
+    (lambda: kt.PDEResidual(burgers, FIXED, mode="fast"), ValueError, "Received: mode='fast'"),
+    (lambda: kt.PDEResidual(burgers, FIXED, order=1, mixed=[(0, 1)]), ValueError,
+     "Received: order=1, mixed=[(0, 1)]"),
+    (lambda: kt.PDEResidual(burgers, FIXED, mixed=[(0, 2)]), ValueError, "Received: mixed=[(0, 2)]"),
+    (lambda: kt.PDEResidual(burgers, FIXED, weight=-np.inf), ValueError, "Received: weight=-inf"),
+    (lambda: kt.PDEResidual(burgers, FIXED, name=""), ValueError, "Received: name=''"),
+    (lambda: kt.ConditionLoss(FIXED, "zero"), TypeError, "Received: values='zero'"),
+    (lambda: kt.ConditionLoss(FIXED, np.nan), ValueError, "Received: values=nan"),
+    (lambda: kt.ConditionLoss(FIXED, np.zeros(3)), ValueError, "Received: values of shape (3,) for 25"),
+    (lambda: kt.ConditionLoss(kt.physics.BoxSampler([0.0], [1.0], 3), np.zeros(3)), ValueError,
+     "Received: values of shape (3,), points=BoxSampler"),
+])
+def test_bad_arguments_raise_with_received(build, error, message):
+    with pytest.raises(error) as info:
+        build()
+    assert message in str(info.value)
+
+
+def test_saving_an_unregistered_residual_fails_clearly(tmp_path):
+    model = kt.upgrade(plain_model())
+    model.compile(optimizer="sgd", loss="mse", loss_terms=[
+        kt.PDEResidual(lambda x, u, du, d2u: du[:, 0, 1], FIXED, name="pde")])
+    with pytest.raises(ValueError, match="PDEResidual 'pde' cannot be saved"):
+        model.save(str(tmp_path / "m.keras"))
