@@ -46,6 +46,14 @@ def output_names(model):
     return list(names) if names else None
 
 
+def _output_count(model):
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    return len(outputs) if outputs is not None else None
+
+
 def resolve_task_names(model, option):
     """The task names for `model`, in order; raises for a model that has no tasks.
 
@@ -57,6 +65,8 @@ def resolve_task_names(model, option):
         A list of str (the outputs' names, as Keras logs `<name>_loss`).
     """
     names = output_names(model)
+    if names is None and _output_count(model) == 1:
+        names = [model.name]  # a Sequential (or other one-output) model
     if names is None:
         if option.tasks is None:
             raise ValueError(
