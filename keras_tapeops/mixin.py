@@ -110,7 +110,9 @@ class TapeOpsMixin:
         # Resolve everything against this model before touching the previous
         # compilation: a bad option leaves the model as it was.
         state = ModelState(self, options)
-        check_logged_names_against_compile_args(state, args, kwargs)
+        state.check_names_against(
+            compile_arg_names(args, kwargs), "a metric or loss passed to compile()"
+        )
         super().compile(*args, **kwargs)
         state.create_trackers()
         # Plain object attributes: Keras's tracker ignores them, so the term
@@ -261,20 +263,29 @@ class TapeOpsMixin:
         )
 
     def make_train_function(self, force=False):
-        self.build_tapeops()
-        self._check_logged_names()
-        with self._watching_step("train_step"):
-            super().make_train_function(force=force)
-        self.train_function = private.with_multi_worker_logs(self, self.train_function)
-        return self.train_function
+        return self._make_step_function("train", super().make_train_function, force)
 
     def make_test_function(self, force=False):
+        return self._make_step_function("test", super().make_test_function, force)
+
+    def _make_step_function(self, kind, stock_make, force):
+        """Binds and checks names, then lets Keras make its `<kind>_function`.
+
+        Args:
+            kind: "train" or "test".
+            stock_make: Keras's `make_<kind>_function` (bound).
+            force: passed on.
+
+        Returns:
+            The function, wrapped for multi-worker logs where needed.
+        """
         self.build_tapeops()
         self._check_logged_names()
-        with self._watching_step("test_step"):
-            super().make_test_function(force=force)
-        self.test_function = private.with_multi_worker_logs(self, self.test_function)
-        return self.test_function
+        with self._watching_step(f"{kind}_step"):
+            stock_make(force=force)
+        name = f"{kind}_function"
+        setattr(self, name, private.with_multi_worker_logs(self, getattr(self, name)))
+        return getattr(self, name)
 
     @contextlib.contextmanager
     def _watching_step(self, name):
@@ -602,17 +613,11 @@ class TapeOpsMixin:
         state = self.tapeops_state
         if state is None or state.metric_names_checked or not state.variables_bound:
             return
-        ours = state.logged_metrics
-        if ours:
+        if state.logged_metrics:
             taken = private.logged_metric_names(self, super().metrics, y, y_pred)
             if taken is None:
                 return  # not known yet: checked in the first step
-            for name, subject in ours.items():
-                if name in taken:
-                    raise ValueError(
-                        f"{subject} clashes with a metric of the model "
-                        f"({sorted(taken)}). Received: name={name!r}"
-                    )
+            state.check_names_against(taken, "a metric of the model")
         state.metric_names_checked = True
 
     def _check_logged_names_before_forward(self, data):
@@ -687,39 +692,29 @@ def unscale_for_distribution(value):
     return value
 
 
-def check_logged_names_against_compile_args(state, args, kwargs):
-    """Raises at `compile()` if a logged name is that of a metric passed to it.
+def compile_arg_names(args, kwargs):
+    """Names Keras will log that `compile()`'s arguments already show.
 
-    Checks every name the model's options log (`ModelState.logged_metrics`:
-    terms, bound transforms' metrics, the engine's metrics) against metrics
-    given by name or as objects and per-output losses of dict losses; names
-    Keras resolves later, and transform metrics of a model not built yet,
-    are checked before the first step (`TapeOpsMixin._check_logged_names`).
+    "loss", metrics given by name or as objects, and the per-output losses
+    of a dict loss; names Keras resolves later (per-output losses of a list
+    loss, metrics of several outputs) are checked before the first step.
 
     Args:
-        state: the new `ModelState`.
         args, kwargs: the stock `compile()` arguments.
 
     Returns:
-        None.
+        A set of names.
     """
-    ours = state.logged_metrics
-    if not ours:
-        return
     names = {"loss"}
     for key in ("metrics", "weighted_metrics"):
         for metric in tf.nest.flatten(kwargs.get(key) or []):
             name = metric if isinstance(metric, str) else getattr(metric, "name", None)
-            names.add(name)
+            if name:
+                names.add(name)
     loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
     if isinstance(loss, dict):
         names.update(f"{output}_loss" for output in loss)
-    for name, subject in ours.items():
-        if name in names:
-            raise ValueError(
-                f"{subject} clashes with a metric or loss passed to compile() "
-                f"({sorted(n for n in names if n)}). Received: name={name!r}"
-            )
+    return names
 
 
 _STEP_RECORDS = threading.local()  # per thread: replicas trace in their own

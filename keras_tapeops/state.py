@@ -170,6 +170,23 @@ class ModelState:
                 )
         return names
 
+    def check_names_against(self, taken, where):
+        """Raises if a logged name (`logged_metrics`) is in `taken`.
+
+        Args:
+            taken: names stock Keras logs (or will).
+            where: what they are, for the message (e.g. "a metric of the model").
+
+        Returns:
+            None. Raises ValueError naming the clash, Keras style.
+        """
+        for name, subject in self.logged_metrics.items():
+            if name in taken:
+                raise ValueError(
+                    f"{subject} clashes with {where} ({sorted(set(taken))}). "
+                    f"Received: name={name!r}"
+                )
+
     @property
     def metrics(self):
         """Term trackers, the bound transforms' metrics, then the engine's."""

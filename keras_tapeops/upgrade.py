@@ -21,7 +21,10 @@ Saving: every upgraded class is registered under one name,
 the way Keras does (registered objects, then keras/keras-hub modules), builds
 the upgraded class if this process has not yet, and calls its `from_config`.
 So a fresh process needs only `import keras_tapeops` plus whatever stock Keras
-needs to load the original class.
+needs to load the original class. The loaded model is compiled with its saved
+options through its class's `compile()` when that takes the saved arguments
+(keras-hub's Tasks do); otherwise Keras's "compile() ... is custom" warning is
+given and it is returned uncompiled, as stock Keras does.
 """
 
 import importlib

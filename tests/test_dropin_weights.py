@@ -47,7 +47,8 @@ class _CountingState(MultiGradientState):
 
 def _transforms():
     return [kt.SkipNonFinite(max_consecutive=9), kt.LogGradientNorm(log_max=True),
-            kt.LogUpdateRatio(), kt.ClipByGlobalNorm(10.0)]
+            kt.LogUpdateRatio(), kt.AdaptiveClip(0.5), kt.CentralizeGradients(),
+            kt.ClipByGlobalNorm(10.0)]
 
 
 # Every option, in the combinations compile() accepts.
@@ -265,3 +266,24 @@ def test_state_loaded_before_the_transforms_are_bound_is_restored_when_they_are(
     model(np.zeros((1, 3), "float32"))
     model.build_tapeops()
     assert _state(model) == {"0.SkipNonFinite.consecutive_skips": 3.0}
+
+
+def test_mirrored_training_state_is_saved_apart_and_read_by_stock(mirrored, tmp_path):
+    """Under MirroredStrategy: the same weights layout, a stock model (one device)
+    reads the weights file, an upgraded mirrored model restores the state."""
+    with mirrored.scope():
+        model = _upgraded("transforms_terms_micro_accumulation")
+    _fit(model)
+    skips = model.tapeops_state.transforms[0][1].variables["consecutive_skips"]
+    skips.assign(2.0)
+    model.save_weights(tmp_path / "mirrored.weights.h5")
+    stock = _built_optimizer(_stock(seed=8))
+    stock.load_weights(tmp_path / "mirrored.weights.h5")
+    _assert_same(stock.get_weights(), model.get_weights())
+    with mirrored.scope():
+        again = _upgraded("transforms_terms_micro_accumulation", seed=9)
+    _fit(again)
+    assert _state(again)["0.SkipNonFinite.consecutive_skips"] == 0.0
+    again.load_weights(tmp_path / "mirrored.weights.h5")
+    assert _state(again)["0.SkipNonFinite.consecutive_skips"] == 2.0
+    _assert_same(again.get_weights(), model.get_weights())

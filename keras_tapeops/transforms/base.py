@@ -17,9 +17,12 @@ model resolves from it lives with that model:
 Three optional parts make a transform stateful or observable (the built-in
 `SkipNonFinite` and `LogGradientNorm` use them):
 
-- In `bind`, `state.add_variable(...)` creates a variable the model owns
-  (created in its strategy scope, saved by `model.save`, checkpoints and
-  `BackupAndRestore`, restored by `load_model`), and `state.add_metric(...)`
+- In `bind`, `state.add_variable(...)` creates a training-state variable
+  (created in the model's strategy scope; like the optimizer's state it is
+  not in `model.weights`, so `get_weights`/`set_weights` and weight files
+  stay the stock model's, but `model.save`, `save_weights` and
+  `BackupAndRestore` write it and loading restores it: see
+  `keras_tapeops.state.TrainingState`), and `state.add_metric(...)`
   a metric logged in History, the progress bar and TensorBoard under its
   name (updated in the graph: no host synchronization per step).
 - `keep_step(grads, variables, state)` returns None (the default) or a
@@ -55,11 +58,15 @@ class TransformState:
 
     def __init__(self, selected):
         self.selected = list(selected)
-        self.variables = {}  # name -> keras.Variable, owned by the model
+        self.variables = {}  # name -> keras.Variable: training state, not weights
         self.metrics = {}  # name -> keras.metrics.Metric, logged
 
     def add_variable(self, name, initial_value, dtype="float32"):
-        """Creates a non-trainable variable saved with the model; returns it.
+        """Creates a training-state variable saved with the model; returns it.
+
+        It is not one of `model.weights`; it is saved by `model.save` and
+        `save_weights` (so `BackupAndRestore`) under the key
+        `"<position in gradient_transforms>.<class>.<name>"`.
 
         Call from `bind` (the model's strategy scope is active there). Under
         `tf.distribute` every replica computes the same value from the same
