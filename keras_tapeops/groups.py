@@ -402,6 +402,40 @@ def describe_groups(groups):
     ) + "]"
 
 
+def check_selector_pair(pair, i, name, item, scope, hint):
+    """Item `i` of a list argument of `(where, item)` pairs, as `(where, item)`.
+
+    Shared by `optimizer_groups`, `layerwise_lr_decay`'s callers and
+    `GradualUnfreezing`: the pair's shape, its selector (validated), and
+    no `where=None`.
+
+    Args:
+        pair: the item.
+        i: its index.
+        name: the argument's name (`"groups"`, `"schedule"`).
+        item: the second element's name, for the message.
+        scope: what `where=None` would select, for the message.
+        hint: what to do instead, for the message.
+
+    Returns:
+        `(where, second)` with `where` validated. Raises TypeError or
+        ValueError naming `name[i]`.
+    """
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        raise TypeError(
+            f"`{name}` must be a list of (where, {item}) pairs; item "
+            f"{i} is not a pair. Received: {name}[{i}]={pair!r}"
+        )
+    where, second = pair
+    where = selectors.validate_listed_selector(where, f"{name}[{i}]")
+    if where is None:
+        raise ValueError(
+            f"{name}[{i}] has where=None ({scope}); {hint}. "
+            f"Received: {name}[{i}]={pair!r}"
+        )
+    return where, second
+
+
 # -------------------------------------------------------------------- checks
 def _check_groups(groups):
     if not isinstance(groups, (list, tuple)):
@@ -417,19 +451,10 @@ def _check_groups(groups):
         )
     checked = []
     for i, pair in enumerate(groups):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise TypeError(
-                "`groups` must be a list of (where, optimizer) pairs; item "
-                f"{i} is not a pair. Received: groups[{i}]={pair!r}"
-            )
-        where, optimizer = pair
-        where = selectors.validate_listed_selector(where, f"groups[{i}]")
-        if where is None:
-            raise ValueError(
-                f"groups[{i}] has where=None (every variable); a group must "
-                "select part of the model (use `default=` for the rest). "
-                f"Received: groups[{i}]={pair!r}"
-            )
+        where, optimizer = check_selector_pair(
+            pair, i, "groups", "optimizer", "every variable",
+            "a group must select part of the model (use `default=` for the rest)",
+        )
         check_sub_optimizer(optimizer, f"groups[{i}][1]")
         checked.append((where, optimizer))
     return checked

@@ -40,6 +40,10 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import _keras_private as private
+from keras_tapeops.per_example import _flat_losses
+from keras_tapeops.per_example import _keras_mask as _tensor_mask
+from keras_tapeops.per_example import _resolve
+from keras_tapeops.per_example import _same_rank
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 UNREDUCED = (None, "none")
@@ -389,24 +393,6 @@ def _batch_size(structure):
     return tf.shape(first)[0]
 
 
-def _same_rank(x1, x2):
-    """Squeezes or expands a trailing axis of size 1, as Keras's losses do."""
-    r1, r2 = x1.shape.rank, x2.shape.rank
-    if r1 == r2 + 1 and x1.shape[-1] == 1:
-        x1 = tf.squeeze(x1, -1) if r2 != 1 else x1
-        x2 = tf.expand_dims(x2, -1) if r2 == 1 else x2
-    elif r2 == r1 + 1 and x2.shape[-1] == 1:
-        x2 = tf.squeeze(x2, -1) if r1 != 1 else x2
-        x1 = tf.expand_dims(x1, -1) if r1 == 1 else x1
-    return x1, x2
-
-
-def _resolve(path, structure):
-    for key in path:
-        structure = structure[key]
-    return structure
-
-
 def _unwrapped(loss):
     while isinstance(loss, ReducedLoss):
         loss = loss.loss
@@ -415,25 +401,22 @@ def _unwrapped(loss):
 
 # ------------------------------------------------------------------ private
 # Keras has no public per-output view of the compiled loss (`CompileLoss`,
-# `model._compile_loss`). These helpers are the only private accesses: the
-# list of per-output losses `CompileLoss.call` iterates (Keras 3.10-3.15),
-# the Keras mask a tensor carries, and Keras's symbolic build.
-
-
-def _flat_losses(compile_loss):
-    """`CompileLoss._flat_losses`: `(path, loss, loss_weights, name)` per output."""
-    return list(compile_loss._flat_losses)
+# `model._compile_loss`). The private accesses are per_example.py's readers
+# of it (the list of per-output losses `CompileLoss.call` iterates, Keras
+# 3.10-3.15, and the Keras mask a tensor carries) and the helpers below:
+# replacing that list while a pass is traced, and Keras's symbolic build.
 
 
 def _set_flat_losses(compile_loss, entries):
+    """Sets `CompileLoss._flat_losses`, the per-output list its `call` iterates."""
     compile_loss._flat_losses = list(entries)
 
 
 def _keras_mask(tensor):
-    """The Keras mask a prediction carries (`_keras_mask`), or None."""
+    """The Keras mask a prediction carries, or None (also for a structure)."""
     if tf.nest.is_nested(tensor):
         return None
-    return getattr(tensor, "_keras_mask", None)
+    return _tensor_mask(tensor)
 
 
 def _symbolic_build(model, data_batch):

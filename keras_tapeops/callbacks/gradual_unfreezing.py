@@ -49,6 +49,7 @@ import numpy as np
 from keras_tapeops import _keras_private
 from keras_tapeops import selectors
 from keras_tapeops.callbacks.group_learning_rate import check_verbose
+from keras_tapeops.groups import check_selector_pair
 from keras_tapeops.groups import trainable_capable_variables
 from keras_tapeops.registration import register
 
@@ -312,18 +313,9 @@ def _check_schedule(schedule):
         )
     out = []
     for i, pair in enumerate(schedule):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise TypeError(
-                "`schedule` must be a list of (where, at) pairs; item "
-                f"{i} is not a pair. Received: schedule[{i}]={pair!r}"
-            )
-        where, at = pair
-        where = selectors.validate_listed_selector(where, f"schedule[{i}]")
-        if where is None:
-            raise ValueError(
-                f"schedule[{i}] has where=None (the whole model); name the part "
-                f"to keep frozen. Received: schedule[{i}]={pair!r}"
-            )
+        where, at = check_selector_pair(
+            pair, i, "schedule", "at", "the whole model", "name the part to keep frozen"
+        )
         if isinstance(at, (bool, np.bool_)) or not isinstance(at, numbers.Integral) or at < 0:
             raise ValueError(
                 f"`at` must be a non-negative integer (an epoch or a step). "
