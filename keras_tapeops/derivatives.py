@@ -14,7 +14,8 @@ of the batch sums, which equal the per-row derivatives under that condition.
 Two ways to get the same numbers (they agree to float32 rounding):
 - reverse mode (`tf.GradientTape`): one backward pass per output gives every
   first derivative; the second derivatives take one more backward pass per
-  (output, input coordinate), through the first one (reverse over reverse);
+  (output, input coordinate), through the first one (reverse over reverse):
+  `diagonal=[...]` limits them to the coordinates a residual reads;
 - forward mode (`tf.autodiff.ForwardAccumulator`): one forward pass per input
   coordinate carries the tangent `e_i` and gives `d y / d x_i` for every
   output; second derivatives push `e_i` through the backward pass (forward
@@ -48,7 +49,7 @@ MODES = ("auto", "forward", "reverse")
 _ZERO = tf.UnconnectedGradients.ZERO
 
 
-def input_derivatives(fn, x, order=1, mode="auto", mixed=None):
+def input_derivatives(fn, x, order=1, mode="auto", mixed=None, diagonal=None):
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.
 
     Args:
@@ -65,6 +66,12 @@ def input_derivatives(fn, x, order=1, mode="auto", mixed=None):
             with more outputs than inputs.
         mixed: None, or (with `order=2`) a list of index pairs `(i, j)`:
             also return the mixed second derivatives `d2 y_o / dx_i dx_j`.
+        diagonal: None (every coordinate), or (with `order=2`) the list of
+            input coordinates whose `d2 y / d x_i^2` are computed. Each costs
+            one more backward pass (and its weight gradient as much again),
+            so asking only for the ones used (`[0]` for `u_xx` of `u(x, t)`)
+            halves the cost of a 2-D problem; the entries not asked for
+            are NaN, so reading one by mistake shows at once.
 
     Returns:
         `(y, dy_dx)` for `order=1`, `(y, dy_dx, d2y_dx2)` for `order=2`, and a
@@ -80,7 +87,8 @@ def input_derivatives(fn, x, order=1, mode="auto", mixed=None):
     Raises:
         TypeError: `fn` is not callable, `x` is not floating, `fn` returns
             something other than one floating tensor.
-        ValueError: bad `order`, `mode` or `mixed`; `x` not of rank 2.
+        ValueError: bad `order`, `mode`, `mixed` or `diagonal`; `x` not of
+            rank 2.
 
     Example:
     ```python
@@ -102,9 +110,10 @@ def input_derivatives(fn, x, order=1, mode="auto", mixed=None):
     x = check_points(x, "x")
     n_in = int(x.shape[-1])
     pairs = check_mixed(mixed, order, n_in)
+    diagonal = check_diagonal(diagonal, order, n_in, pairs)
     if resolve_mode(mode, order, n_in, _known_outputs(fn, x)) == "forward":
-        return _forward(fn, x, order, pairs)
-    return _reverse(fn, x, order, pairs)
+        return _forward(fn, x, order, diagonal, pairs)
+    return _reverse(fn, x, order, diagonal, pairs)
 
 
 def resolve_mode(mode, order, n_in, n_out=1):
@@ -169,6 +178,32 @@ def check_points(x, name):
             f"Received: {name} of shape {x.shape}"
         )
     return x
+
+
+def check_diagonal(diagonal, order, n_in, pairs=()):
+    """Returns `diagonal` as a sorted tuple of coordinates (None: all of them)."""
+    if diagonal is None:
+        return tuple(range(n_in)) if order == 2 else ()
+    if order != 2:
+        raise ValueError(
+            "`diagonal` second derivatives need `order=2`. "
+            f"Received: order={order!r}, diagonal={diagonal!r}"
+        )
+    ok = isinstance(diagonal, (list, tuple)) and all(
+        isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
+        and 0 <= i < n_in for i in diagonal
+    )
+    if not ok:
+        raise ValueError(
+            f"`diagonal` must be a list of input coordinates in [0, {n_in}). "
+            f"Received: diagonal={diagonal!r}"
+        )
+    if not diagonal and not pairs:
+        raise ValueError(
+            "`diagonal=[]` asks for no second derivative: give `mixed` pairs, "
+            "or use `order=1`. Received: diagonal=[], mixed=None"
+        )
+    return tuple(sorted({int(i) for i in diagonal}))
 
 
 def check_mixed(mixed, order, n_in=None):
@@ -247,8 +282,7 @@ def _reverse_rows(tape, y, x):
     ]
 
 
-def _reverse(fn, x, order, pairs):
-    n_in = int(x.shape[-1])
+def _reverse(fn, x, order, diagonal, pairs):
     if order == 1:
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(x)
@@ -264,31 +298,19 @@ def _reverse(fn, x, order, pairs):
         rows = _reverse_rows(inner, y, x)  # recorded by `outer`
     del inner
     # Row i of output o's Hessian: d/dx (d y_o / d x_i), one backward pass.
-    needed = sorted(set(range(n_in)) | {i for i, _ in pairs})
-    hessian_rows = [
+    hessian = [
         {
             i: outer.gradient(row, x, output_gradients=_unit(row, i),
                               unconnected_gradients=_ZERO)
-            for i in needed
+            for i in _hessian_lines(diagonal, pairs)
         }
         for row in rows
     ]
     del outer
-    diagonal = tf.stack(
-        [tf.stack([h[i][:, i] for i in range(n_in)], axis=-1) for h in hessian_rows],
-        axis=1,
-    )
-    results = (y, tf.stack(rows, axis=1), diagonal)
-    if pairs:
-        mixed = tf.stack(
-            [tf.stack([h[i][:, j] for i, j in pairs], axis=-1) for h in hessian_rows],
-            axis=1,
-        )
-        results += (mixed,)
-    return results
+    return _second_order_results(x, y, rows, hessian, diagonal, pairs)
 
 
-def _forward(fn, x, order, pairs):
+def _forward(fn, x, order, diagonal, pairs):
     n_in = int(x.shape[-1])
     if order == 1:
         columns = []
@@ -302,27 +324,39 @@ def _forward(fn, x, order, pairs):
     # accumulators, is not used: differentiating it again w.r.t. the weights
     # gives wrong gradients in TF 2.21, and eager nested accumulators can give
     # wrong second derivatives, tensorflow/tensorflow#127753.)
-    needed = sorted(set(range(n_in)) | {i for i, _ in pairs})
-    hessian_columns = {}
-    for i in needed:
+    columns = {}
+    for i in _hessian_lines(diagonal, pairs):
         with tf.autodiff.ForwardAccumulator(x, _unit(x, i)) as acc:
             with tf.GradientTape(persistent=True) as tape:
                 tape.watch(x)
                 y = _outputs(fn, x)
             rows = _reverse_rows(tape, y, x)
             del tape
-        hessian_columns[i] = [acc.jvp(row, unconnected_gradients=_ZERO) for row in rows]
-    diagonal = tf.stack(
-        [tf.stack([hessian_columns[i][o][:, i] for i in range(n_in)], axis=-1)
-         for o in range(len(rows))],
+        columns[i] = [acc.jvp(row, unconnected_gradients=_ZERO) for row in rows]
+    hessian = [{i: columns[i][o] for i in columns} for o in range(len(rows))]
+    return _second_order_results(x, y, rows, hessian, diagonal, pairs)
+
+
+def _hessian_lines(diagonal, pairs):
+    """The Hessian rows (columns) to compute: one pass each."""
+    return sorted(set(diagonal) | {i for i, _ in pairs})
+
+
+def _second_order_results(x, y, rows, hessian, diagonal, pairs):
+    """`(y, dy_dx, d2y_dx2[, d2y_mixed])` from the Hessian rows `hessian[o][i]`.
+
+    Diagonal entries not in `diagonal` were not computed: they are NaN.
+    """
+    n_in = int(x.shape[-1])
+    missing = tf.fill(tf.shape(x)[:1], tf.constant(float("nan"), rows[0].dtype))
+    d2 = tf.stack(
+        [tf.stack([h[i][:, i] if i in diagonal else missing for i in range(n_in)], axis=-1)
+         for h in hessian],
         axis=1,
     )
-    results = (y, tf.stack(rows, axis=1), diagonal)
+    results = (y, tf.stack(rows, axis=1), d2)
     if pairs:
-        mixed = tf.stack(
-            [tf.stack([hessian_columns[i][o][:, j] for i, j in pairs], axis=-1)
-             for o in range(len(rows))],
-            axis=1,
-        )
-        results += (mixed,)
+        results += (tf.stack(
+            [tf.stack([h[i][:, j] for i, j in pairs], axis=-1) for h in hessian], axis=1
+        ),)
     return results

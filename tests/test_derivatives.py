@@ -57,6 +57,21 @@ def test_closed_forms_first_second_and_mixed(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_diagonal_subset_computes_only_what_is_asked(mode):
+    x = points()
+    _, first, second, mixed = closed_forms(x.astype("float64"))
+    y, d1, d2 = kt.input_derivatives(two_outputs, x, order=2, mode=mode, diagonal=[2, 0])
+    np.testing.assert_allclose(d1, first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tf.gather(d2, [0, 2], axis=2), second[:, :, [0, 2]],
+                               rtol=1e-5, atol=1e-5)
+    assert np.isnan(d2[:, :, 1]).all()   # not asked for: NaN, never a silent value
+    *_, d2_none, d2_mixed = kt.input_derivatives(two_outputs, x, order=2, mode=mode,
+                                                 diagonal=[], mixed=[(1, 2)])
+    assert np.isnan(d2_none).all()
+    np.testing.assert_allclose(d2_mixed[:, :, 0], mixed[:, :, 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_one_input_rank_one_output(mode):
     x = points(5, 1)
     y, d1, d2 = kt.input_derivatives(lambda t: t[:, 0] ** 3, x, order=2, mode=mode)
@@ -164,6 +179,10 @@ def test_auto_mode_choice():
     ({"order": 2, "mixed": [(0, 3)]}, ValueError, "below n_in=3. Received: mixed=[(0, 3)]"),
     ({"order": 2, "mixed": []}, ValueError, "Received: mixed=[]"),
     ({"order": 2, "mixed": [0, 1]}, ValueError, "Received: mixed=[0, 1]"),
+    ({"order": 2, "diagonal": [3]}, ValueError, "in [0, 3). Received: diagonal=[3]"),
+    ({"order": 2, "diagonal": 0}, ValueError, "Received: diagonal=0"),
+    ({"diagonal": [0]}, ValueError, "Received: order=1, diagonal=[0]"),
+    ({"order": 2, "diagonal": []}, ValueError, "Received: diagonal=[], mixed=None"),
 ])
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error) as info:

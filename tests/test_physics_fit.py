@@ -64,9 +64,12 @@ def collocation(kind):
     return FIXED
 
 
-def terms(kind="box", pde_weight=W_PDE, mode="auto"):
+def terms(kind="box", pde_weight=W_PDE, mode="auto", diagonal=(0,)):
+    # diagonal=(0,): burgers reads u_xx only (the array case computes u_tt too).
+    diagonal = list(diagonal) if kind == "box" else None
     return [
-        kt.PDEResidual(burgers, collocation(kind), weight=pde_weight, mode=mode, name="pde"),
+        kt.PDEResidual(burgers, collocation(kind), weight=pde_weight, mode=mode,
+                       diagonal=diagonal, name="pde"),
         kt.ConditionLoss(boundary_points(), values=0.0, weight=W_BC, name="boundary"),
     ]
 
@@ -408,8 +411,10 @@ def test_config_round_trips():
     fixed = round_trip(kt.physics.FixedPoints(FIXED))
     np.testing.assert_array_equal(fixed.points, FIXED)
     residual = round_trip(kt.PDEResidual(burgers, box, order=2, mode="forward", mixed=[(0, 1)],
-                                         weight=0.5, name="pde", in_validation=True))
+                                         diagonal=[1, 0], weight=0.5, name="pde",
+                                         in_validation=True))
     assert residual.residual_fn is burgers and residual.mixed == [[0, 1]]
+    assert residual.diagonal == [0, 1]
     assert isinstance(round_trip(kt.PDEResidual(burgers, FIXED)).collocation, kt.physics.FixedPoints)
     schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)
     assert isinstance(round_trip(kt.PDEResidual(burgers, box, weight=schedule)).weight,
@@ -452,6 +457,9 @@ def test_points_change_with_the_step_and_stay_in_the_box():
     (lambda: kt.PDEResidual(burgers, FIXED, order=1, mixed=[(0, 1)]), ValueError,
      "Received: order=1, mixed=[(0, 1)]"),
     (lambda: kt.PDEResidual(burgers, FIXED, mixed=[(0, 2)]), ValueError, "Received: mixed=[(0, 2)]"),
+    (lambda: kt.PDEResidual(burgers, FIXED, diagonal=[2]), ValueError, "Received: diagonal=[2]"),
+    (lambda: kt.PDEResidual(burgers, FIXED, order=1, diagonal=[0]), ValueError,
+     "Received: order=1, diagonal=[0]"),
     (lambda: kt.PDEResidual(burgers, FIXED, weight=-np.inf), ValueError, "Received: weight=-inf"),
     (lambda: kt.PDEResidual(burgers, FIXED, name=""), ValueError, "Received: name=''"),
     (lambda: kt.ConditionLoss(FIXED, "zero"), TypeError, "Received: values='zero'"),

@@ -5,6 +5,7 @@ import keras
 from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.derivatives import MODES
+from keras_tapeops.derivatives import check_diagonal
 from keras_tapeops.derivatives import check_mixed
 from keras_tapeops.derivatives import check_order
 from keras_tapeops.derivatives import input_derivatives
@@ -45,6 +46,11 @@ class PDEResidual(PointsTerm):
         mode: `"auto"`, `"forward"` or `"reverse"`: how the input
             derivatives are computed (`kt.input_derivatives`).
         mixed: optional `(i, j)` index pairs of mixed second derivatives.
+        diagonal: optional list of the coordinates `i` whose second
+            derivatives `residual_fn` reads (default: all). Each one costs a
+            backward pass through the model and its weight gradient: for
+            `u(x, t)` with only `u_xx`, `diagonal=[0]` makes the step about
+            twice as fast (the others are NaN).
         weight: a number, a schedule or a callable `step -> number`.
         name: the name logged in History and the progress bar.
         in_validation: default False: `evaluate()`/validation does not
@@ -65,7 +71,7 @@ class PDEResidual(PointsTerm):
         keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]))
     net.compile(optimizer="adam", loss="mse", loss_terms=[kt.PDEResidual(
         heat, collocation=kt.physics.BoxSampler([0.0, 0.0], [1.0, 1.0], n=128),
-        name="pde")])
+        diagonal=[0], name="pde")])           # only u_xx is read
     x0 = np.stack([np.linspace(0, 1, 32), np.zeros(32)], 1).astype("float32")
     net.fit(x0, np.sin(np.pi * x0[:, :1]), epochs=2, verbose=0)   # logs loss, pde
     ```
@@ -75,7 +81,7 @@ class PDEResidual(PointsTerm):
 
     def __init__(
         self, residual_fn, collocation, order=2, mode="auto", mixed=None,
-        weight=1.0, name="pde_residual", in_validation=False,
+        diagonal=None, weight=1.0, name="pde_residual", in_validation=False,
     ):
         if not callable(residual_fn):
             raise TypeError(
@@ -88,13 +94,16 @@ class PDEResidual(PointsTerm):
         super().__init__(collocation, weight=weight, name=name, in_validation=in_validation)
         pairs = check_mixed(mixed, self.order, self.sampler.dim)
         self.mixed = [list(p) for p in pairs] if pairs else None
+        if diagonal is not None:
+            diagonal = list(check_diagonal(diagonal, self.order, self.sampler.dim, pairs))
+        self.diagonal = diagonal
 
     def call(self, context):
         """The mean squared residual at this step's points (float32 scalar)."""
         points, _, count = self.step_points(context)
         derivatives = input_derivatives(
             self.model_fn(context), points, order=self.order, mode=self.mode,
-            mixed=self.mixed,
+            mixed=self.mixed, diagonal=self.diagonal,
         )
         residual = self.residual_fn(points, *derivatives)
         return self.mean_square(residual, count)
@@ -108,6 +117,7 @@ class PDEResidual(PointsTerm):
             "order": self.order,
             "mode": self.mode,
             "mixed": self.mixed,
+            "diagonal": self.diagonal,
         })
         return config
 
