@@ -225,22 +225,26 @@ def test_composes_with_optimizer_groups_and_sam():
         assert_matches(model, oracle, history, expected)
 
 
-@pytest.mark.parametrize("option", [{"micro_batches": 2}, {"accumulation_steps": 2}])
-def test_micro_batches_and_accumulation_equal_the_large_batch(option):
+@pytest.mark.parametrize("option, replicas", [
+    ({"micro_batches": 2}, 1), ({"accumulation_steps": 2}, 1), ({"micro_batches": 2}, 2),
+])
+def test_micro_batches_and_accumulation_equal_the_large_batch(option, replicas, request):
     # Without a random start the attack of an example does not depend on
     # the rest of its batch (inference mode), so splitting a batch of 32
     # into two passes, or accumulating two batches of 16, equals one step
-    # on the batch of 32.
+    # on the batch of 32 (also with two replicas, whose micro-batch passes
+    # run in a loop body where no cross-replica call is allowed).
+    strategy = request.getfixturevalue("mirrored") if replicas == 2 else None
     attack = kt.attacks.PGD(EPS, step_size=0.04, steps=2, random_start=False)
     x, y, sw = data()
     oracle = mlp()
     initial = oracle.get_weights()
     expected = oracle_fit(oracle, x, y, sw, "adversarial", attack, 1.0, batch=32)
-    model = compiled_model(initial, "adversarial", attack, 1.0, **option)
+    model = compiled_model(initial, "adversarial", attack, 1.0, strategy, **option)
     batch = 32 if "micro_batches" in option else 16
     history = model.fit(x, y, sample_weight=sw, batch_size=batch, shuffle=False,
                         verbose=0).history
-    assert int(model.optimizer.iterations) == 1
+    assert int(model.optimizer.iterations.numpy()) == 1
     assert_matches(model, oracle, history, expected)
 
 

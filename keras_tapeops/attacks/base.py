@@ -98,7 +98,7 @@ class Attack(ConfigRepr):
         objective = objectives.loss_objective(model, self.loss, y)
         return self.perturb(model, x, objective, step=0)
 
-    def perturb(self, model, x, objective, step):
+    def perturb(self, model, x, objective, step, gather_batch_sizes=True):
         """Runs the attack on `x` for an arbitrary objective to maximize.
 
         Args:
@@ -107,6 +107,10 @@ class Attack(ConfigRepr):
             objective: `objective(y_pred) -> float32 scalar` to ascend.
             step: an integer scalar (Python or tensor) keying a seeded
                 random start (see `seed`).
+            gather_batch_sizes: under a multi-replica strategy, all-gather
+                the replicas' batch sizes to place this replica's rows of a
+                seeded start (False: assume equal sizes; see
+                `keras_tapeops.attacks.noise.random_start`).
 
         Returns:
             The adversarial inputs, structured like `x`, held constant.
@@ -117,7 +121,7 @@ class Attack(ConfigRepr):
         adv = clean
         if self.random_start:
             deltas = noise.random_start(
-                clean, self.epsilon, self.norm, self.seed, step
+                clean, self.epsilon, self.norm, self.seed, step, gather_batch_sizes
             )
             adv = [c + d for c, d in zip(clean, deltas)]
         adv = self._clip(adv)

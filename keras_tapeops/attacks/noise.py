@@ -8,7 +8,9 @@ optimizer step (times `accumulation_steps`, plus the batch's place in the
 accumulation window), so every applied step, and every batch of a window,
 gets a fresh start, and a model loaded from a checkpoint continues the same
 sequence. The micro-batches of one batch (`micro_batches=k`) share the key:
-example `i` of each micro-batch starts from the same noise.
+example `i` of each micro-batch starts from the same noise; their passes are
+traced in a loop body, where no cross-replica call is allowed, so there each
+replica takes its rows as if the replicas' micro-batches were equal in size.
 
 Without a seed the start comes from TensorFlow's global generator (seeded by
 `keras.utils.set_random_seed`): random per step and per replica, so two
@@ -30,7 +32,7 @@ def validate_seed(seed):
     return second_order._check_seed(seed)
 
 
-def random_start(clean, epsilon, norm, seed, step):
+def random_start(clean, epsilon, norm, seed, step, gather_batch_sizes=True):
     """One random perturbation per tensor of `clean`, inside the `epsilon` ball.
 
     Args:
@@ -39,6 +41,11 @@ def random_start(clean, epsilon, norm, seed, step):
         norm: `"inf"` or `"l2"`.
         seed: None (global generator) or a non-negative int.
         step: an integer scalar keying the seeded draw.
+        gather_batch_sizes: find this replica's rows by all-gathering the
+            replicas' batch sizes (exact for uneven splits). False assumes
+            equal per-replica batches (no collective: for passes traced in a
+            nested function or loop body, where a cross-replica call is not
+            allowed, such as `micro_batches`).
 
     Returns:
         A list of float32 tensors shaped like `clean`.
@@ -48,7 +55,7 @@ def random_start(clean, epsilon, norm, seed, step):
     deltas = random_start([x], 0.1, "inf", seed=0, step=0)
     ```
     """
-    draw = _Draws(clean[0], seed, step)
+    draw = _Draws(clean[0], seed, step, gather_batch_sizes)
     if norm == "inf":
         return [
             epsilon * draw.uniform(i, c.shape, minval=-1.0, maxval=1.0)
@@ -72,14 +79,14 @@ def random_start(clean, epsilon, norm, seed, step):
 class _Draws:
     """Draws for this replica's rows of the global batch (seeded) or locally."""
 
-    def __init__(self, first, seed, step):
+    def __init__(self, first, seed, step, gather_batch_sizes):
         self.n = tf.shape(first)[0]
         self.seed = seed
         if seed is not None:
             self.key = tf.stack([
                 tf.constant(seed, tf.int64), tf.cast(step, tf.int64)
             ])
-            self.offset, self.total = global_rows(self.n)
+            self.offset, self.total = global_rows(self.n, gather_batch_sizes)
 
     def uniform(self, index, shape, minval=0.0, maxval=1.0):
         if self.seed is None:
@@ -114,19 +121,23 @@ class _Draws:
         return tf.concat([tf.reshape(rows, [1]), tf.constant(rest.as_list(), tf.int32)], 0)
 
 
-def global_rows(n):
+def global_rows(n, gather_batch_sizes=True):
     """`(offset, total)`: this replica's first row in the global batch, and its size.
 
     Under a multi-replica strategy (inside `strategy.run`) the replicas'
-    batch sizes are all-gathered (uneven last batches included); elsewhere
-    the batch is the global batch: `(0, n)`.
+    batch sizes are all-gathered (uneven last batches included), or, with
+    `gather_batch_sizes=False`, taken equal (`offset = replica_id * n`);
+    elsewhere the batch is the global batch: `(0, n)`.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return tf.constant(0, tf.int32), n
+    replica = context.replica_id_in_sync_group
+    if not gather_batch_sizes:
+        n = tf.cast(n, tf.int32)
+        return replica * n, context.num_replicas_in_sync * n
     sizes = context.all_gather(tf.reshape(tf.cast(n, tf.int32), [1]), axis=0)
-    offset = tf.reduce_sum(sizes[:context.replica_id_in_sync_group])
-    return offset, tf.reduce_sum(sizes)
+    return tf.reduce_sum(sizes[:replica]), tf.reduce_sum(sizes)
 
 
 def step_counter(model):

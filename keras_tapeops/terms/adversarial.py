@@ -29,8 +29,12 @@ class _AttackTerm(Term):
 
     def _perturb(self, context, objective):
         model = context.model
+        options = getattr(model, "tapeops_options", None)
+        # Micro-batch passes are traced in a loop body: no all-gather there.
+        whole_batch = options is None or options.micro_batches == 1
         return self.attack.perturb(
-            model, context.x, objective, noise.step_counter(model)
+            model, context.x, objective, noise.step_counter(model),
+            gather_batch_sizes=whole_batch,
         )
 
     def get_config(self):
