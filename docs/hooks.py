@@ -38,16 +38,36 @@ _LINK = re.compile(r"\[([^\]]+)\]\((?!https?:|mailto:|#)([^)\s]+)\)")
 _FENCE_OPTIONS = re.compile(r"^(\s*(?:```|~~~)+\s*(?:python|py|python3))[ \t]+[^\n`]*$", re.M)
 
 
-def readme_as_home(text):
-    """README.md rewritten for `index.md` inside the site."""
+def site_links(text, prefix):
+    """Rewrites the links of a page written for the repository for the site.
+
+    `prefix` is the page's folder seen from the repository root ("" for
+    README.md, "../" seen from docs/): links into docs/ become site-relative,
+    README.md and CHANGELOG.md become their pages, and links to any other
+    repository file (examples/, bench/, ...) are kept as their text.
+    """
+    pages = {"README.md": "index.md", "CHANGELOG.md": "changelog.md"}
 
     def link(match):
         label, target = match.groups()
-        if target.startswith("docs/"):
-            return f"[{label}]({target[len('docs/'):]})"
-        return label  # a repository file outside the site (examples/, bench/, ...)
+        path, _, anchor = target.partition("#")
+        if prefix and not path.startswith(prefix):
+            return match.group(0)  # a link inside docs/
+        path = path[len(prefix):]
+        if path.startswith("docs/"):
+            path = path[len("docs/"):]
+        elif path in pages:
+            path = pages[path]
+        else:
+            return label  # a repository file outside the site
+        return f"[{label}]({path}{'#' + anchor if anchor else ''})"
 
     return _LINK.sub(link, text)
+
+
+def readme_as_home(text):
+    """README.md rewritten for `index.md` inside the site."""
+    return site_links(text, prefix="")
 
 
 def figures_dir():
@@ -77,6 +97,8 @@ def on_nav(nav, config, files):
 
 def on_page_markdown(markdown, page, config, files):
     markdown = _FENCE_OPTIONS.sub(r"\1", markdown)
+    if page.file.src_uri.count("/") == 0 and not page.file.generated_by:
+        markdown = site_links(markdown, prefix="../")  # a docs/*.md page
     for figure in gen_figures.FIGURES:
         if page.file.src_uri != figure.page:
             continue

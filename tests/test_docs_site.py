@@ -6,7 +6,6 @@ examples (about 20 s); the figure runner itself is tested on a small script.
 """
 
 import html as html_module
-import importlib.util
 import os
 import pathlib
 import re
@@ -17,20 +16,13 @@ import pytest
 import yaml
 
 from conftest_docs import REPO
+from conftest_docs import load_docs_module
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("mkdocstrings_handlers.python")
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen_api = _load("gen_api")
-gen_figures = _load("gen_figures")
+gen_api = load_docs_module("gen_api")
+gen_figures = load_docs_module("gen_figures")
 
 
 def build(site, config=REPO / "mkdocs.yml", figures_dir=None):

@@ -9,24 +9,15 @@ like doctest's globals. Extracted fences rather than doctest: the docstrings
 are Markdown for mkdocstrings, and a fence reads better than `>>>` prompts.
 """
 
-import importlib.util
 import inspect
 
 import pytest
 
-from conftest_docs import REPO
+from conftest_docs import load_docs_module
 from conftest_docs import python_blocks
 from conftest_docs import run_block
 
-
-def _load_gen_api():
-    spec = importlib.util.spec_from_file_location("gen_api", REPO / "docs" / "gen_api.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen_api = _load_gen_api()
+gen_api = load_docs_module("gen_api")
 
 
 def _docstring_blocks():
@@ -60,16 +51,7 @@ BLOCKS, IDS = _docstring_blocks()
 @pytest.mark.parametrize("block", BLOCKS, ids=IDS)
 def test_docstring_example_runs(block, tmp_path):
     setup = type(block)("<docs/gen_api.py EXAMPLE_SETUP>", 1, gen_api.EXAMPLE_SETUP)
-    namespace = run_block(setup, tmp_path)
-    code = compile(block.code, block.origin, "exec")
-    import os
-
-    here = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        exec(code, namespace)  # noqa: S102
-    finally:
-        os.chdir(here)
+    run_block(block, tmp_path, namespace=run_block(setup, tmp_path))
 
 
 def test_every_public_symbol_is_listed():

@@ -45,7 +45,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
 
     Example:
     ```python
-    model.fit(x, y, validation_split=0.25, epochs=20, callbacks=[
+    model.fit(x, y, validation_split=0.25, epochs=6, callbacks=[
         kt.callbacks.GroupReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2, log=True)])
     ```
     """
