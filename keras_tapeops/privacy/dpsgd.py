@@ -1,11 +1,8 @@
 """`kt.DPSGD`: differentially private SGD as a compile option."""
 
-import numbers
-
-import numpy as np
-
 from keras_tapeops import validation
 from keras_tapeops.multi_gradient import MultiGradientOption
+from keras_tapeops.privacy import noise
 from keras_tapeops.privacy import sites
 from keras_tapeops.privacy.engine import DPSGDState
 from keras_tapeops.registration import register
@@ -86,15 +83,7 @@ class DPSGD(MultiGradientOption):
         self.noise_multiplier = validation.non_negative_number(
             noise_multiplier, "noise_multiplier"
         )
-        if seed is not None and (
-            isinstance(seed, (bool, np.bool_))
-            or not isinstance(seed, numbers.Integral)
-            or seed < 0
-        ):
-            raise ValueError(
-                f"`seed` must be None or a non-negative integer. Received: seed={seed!r}"
-            )
-        self.seed = None if seed is None else int(seed)
+        self.seed = noise.check_seed(seed)
         self.method = validation.choice(method, "method", METHODS)
 
     def bind(self, model, tree):

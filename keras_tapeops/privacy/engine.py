@@ -234,21 +234,22 @@ class DPSGDState(MultiGradientState):
         self.samples.assign(0.0)
         self.step_samples.assign(samples)
         options = model.tapeops_options
-        factor = tf.constant(1.0)
-        if options is not None and options.accumulation_steps > 1:
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            factor = samples / float(replicas)
+        accumulating = options is not None and options.accumulation_steps > 1
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        inverse = tf.math.divide_no_nan(1.0, samples)
         stddev = self.option.l2_norm_clip * self.option.noise_multiplier
         step = model.optimizer.iterations
         out = []
-        for index, (grad, variable) in enumerate(zip(grads, variables)):
+        for index, grad in enumerate(grads):
             if grad is None:
                 out.append(None)
                 continue
-            total = tf.cast(tf.convert_to_tensor(grad), tf.float32) * factor
+            total = tf.cast(tf.convert_to_tensor(grad), tf.float32)
+            if accumulating:  # the window's pipeline averaged: back to a sum
+                total = total * (samples / float(replicas))
             if stddev > 0:
                 total = total + noise.gaussian(tf.shape(total), key, step, index, stddev)
-            out.append(tf.math.divide_no_nan(total, samples))
+            out.append(total * inverse)
         out = _add_regularization(out, variables)
         return [None if g is None else tf.cast(g, v.dtype) for g, v in zip(out, variables)]
 

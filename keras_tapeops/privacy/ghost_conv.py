@@ -17,12 +17,11 @@ vectorized fallback.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_dense import first_input
 from keras_tapeops.privacy.ghost_dense import matmul_parts
 from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.ghost_dense import static_product
 from keras_tapeops.privacy.rules import float32
-from keras_tapeops.privacy.rules import split_activation
+from keras_tapeops.privacy.rules import pre_activation_forward
 from keras_tapeops.privacy.rules import stock_call
 
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -35,18 +34,13 @@ class ConvRule:
 
     @staticmethod
     def applies(layer):
-        kind = next((k for k in _CONVOLUTIONS if type(layer) is k or isinstance(layer, k)), None)
         return (
-            kind is not None
-            and stock_call(layer, kind)
+            any(stock_call(layer, kind) for kind in _CONVOLUTIONS)
             and getattr(layer, "groups", 1) == 1
             and layer.padding in ("valid", "same", "causal")
         )
 
-    @staticmethod
-    def forward(layer, original, args, kwargs):
-        outputs, z = split_activation(layer, original, args, kwargs)
-        return outputs, {"a": first_input(args, kwargs), "z": [z]}
+    forward = staticmethod(pre_activation_forward)
 
     @staticmethod
     def clip(site, records, grads, context):

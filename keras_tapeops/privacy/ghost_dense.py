@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from keras_tapeops.privacy.rules import Part
 from keras_tapeops.privacy.rules import float32
-from keras_tapeops.privacy.rules import split_activation
+from keras_tapeops.privacy.rules import pre_activation_forward
 from keras_tapeops.privacy.rules import stock_call
 
 
@@ -83,10 +83,6 @@ def positions(tensor, features):
     return tf.reshape(float32(tensor), shape)
 
 
-def first_input(args, kwargs):
-    return args[0] if args else kwargs["inputs"]
-
-
 class DenseRule:
     """Ghost norms for `keras.layers.Dense` (any input rank)."""
 
@@ -94,12 +90,9 @@ class DenseRule:
 
     @staticmethod
     def applies(layer):
-        return isinstance(layer, keras.layers.Dense) and stock_call(layer, keras.layers.Dense)
+        return stock_call(layer, keras.layers.Dense)
 
-    @staticmethod
-    def forward(layer, original, args, kwargs):
-        outputs, z = split_activation(layer, original, args, kwargs)
-        return outputs, {"a": first_input(args, kwargs), "z": [z]}
+    forward = staticmethod(pre_activation_forward)
 
     @staticmethod
     def clip(site, records, grads, context):
@@ -125,15 +118,11 @@ class EinsumDenseRule:
     @staticmethod
     def applies(layer):
         return (
-            isinstance(layer, keras.layers.EinsumDense)
-            and stock_call(layer, keras.layers.EinsumDense)
+            stock_call(layer, keras.layers.EinsumDense)
             and layout(layer.equation, None) is not None
         )
 
-    @staticmethod
-    def forward(layer, original, args, kwargs):
-        outputs, z = split_activation(layer, original, args, kwargs)
-        return outputs, {"a": first_input(args, kwargs), "z": [z]}
+    forward = staticmethod(pre_activation_forward)
 
     @staticmethod
     def clip(site, records, grads, context):

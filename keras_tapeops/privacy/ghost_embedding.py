@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_tapeops.privacy.rules import Part
 from keras_tapeops.privacy.rules import float32
+from keras_tapeops.privacy.rules import output_forward
 from keras_tapeops.privacy.rules import stock_call
 
 GRAM_MAX_POSITIONS = 256
@@ -29,22 +30,16 @@ class EmbeddingRule:
 
     @staticmethod
     def applies(layer):
-        return isinstance(layer, keras.layers.Embedding) and stock_call(
-            layer, keras.layers.Embedding
-        )
+        return stock_call(layer, keras.layers.Embedding)
 
-    @staticmethod
-    def forward(layer, original, args, kwargs):
-        outputs = original(*args, **kwargs)
-        ids = args[0] if args else kwargs["inputs"]
-        return outputs, {"ids": ids, "z": [outputs]}
+    forward = staticmethod(output_forward)  # record["a"]: the ids
 
     @staticmethod
     def clip(site, records, grads, context):
         table = site.layer.embeddings
         dim = table.shape[-1]
         ids = tf.concat(
-            [tf.reshape(tf.cast(r["ids"], tf.int64), [tf.shape(r["ids"])[0], -1]) for r in records],
+            [tf.reshape(tf.cast(r["a"], tf.int64), [tf.shape(r["a"])[0], -1]) for r in records],
             axis=1,
         )
         g = tf.concat(

@@ -12,9 +12,9 @@ output gradient, without a second backward pass. With the deprecated
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_dense import first_input
 from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.rules import float32
+from keras_tapeops.privacy.rules import output_forward
 from keras_tapeops.privacy.rules import stock_call
 
 
@@ -25,14 +25,9 @@ class LayerNormRule:
 
     @staticmethod
     def applies(layer):
-        return isinstance(layer, keras.layers.LayerNormalization) and stock_call(
-            layer, keras.layers.LayerNormalization
-        )
+        return stock_call(layer, keras.layers.LayerNormalization)
 
-    @staticmethod
-    def forward(layer, original, args, kwargs):
-        outputs = original(*args, **kwargs)
-        return outputs, {"a": first_input(args, kwargs), "z": [outputs]}
+    forward = staticmethod(output_forward)
 
     @staticmethod
     def clip(site, records, grads, context):

@@ -8,11 +8,22 @@ seed from the operating system; under `tf.distribute` the first replica's
 seed is used everywhere (shared in the step's one small all-reduce).
 """
 
+import numbers
 import secrets
 
+import numpy as np
 import tensorflow as tf
 
 _HALF_BITS = 26  # a 52-bit seed travels exactly as two float64 halves
+
+
+def check_seed(seed):
+    """Returns `seed` as an int (or None) if it is None or a non-negative integer."""
+    if seed is None:
+        return None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"`seed` must be None or a non-negative integer. Received: seed={seed!r}")
+    return int(seed)
 
 
 def fresh_seed():

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.privacy import noise
 from keras_tapeops.privacy.accounting import check_sampling_rate
 
 _STD_MARGIN = 7.0  # standard deviations of the batch size above its mean
@@ -69,7 +70,7 @@ def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, step
             arrays (x and y may be nested structures). It is held in memory.
         sampling_rate: the probability q that an example is in a batch, in
             (0, 1].
-        seed: None (fresh randomness) or an int: the same seed gives the same
+        seed: None (fresh randomness) or a non-negative int: the same seed gives the same
             batches; each epoch draws new ones.
         max_batch_size: the padded batch size M (default: mean + 7 standard
             deviations of the batch size, rounded up to a multiple of 8).
@@ -99,8 +100,7 @@ def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, step
     if steps is None:
         steps = max(1, round(1 / q))
     steps = validation.positive_int(steps, "steps")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-        raise ValueError(f"`seed` must be None or an int. Received: seed={seed!r}")
+    seed = noise.check_seed(seed)
 
     def draw(key):
         key = tf.stack([key, tf.constant(0, tf.int64)])

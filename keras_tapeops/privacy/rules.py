@@ -73,9 +73,30 @@ def split_activation(layer, original, args, kwargs):
     return outputs, z
 
 
+def first_input(args, kwargs):
+    """The first positional argument of a layer call (Keras names it `inputs`)."""
+    return args[0] if args else kwargs["inputs"]
+
+
+def pre_activation_forward(layer, original, args, kwargs):
+    """`forward` of a layer ending in `self.activation`: records its input and pre-activation."""
+    outputs, z = split_activation(layer, original, args, kwargs)
+    return outputs, {"a": first_input(args, kwargs), "z": [z]}
+
+
+def output_forward(layer, original, args, kwargs):
+    """`forward` of a layer without activation: records its input and output."""
+    outputs = original(*args, **kwargs)
+    return outputs, {"a": first_input(args, kwargs), "z": [outputs]}
+
+
 def stock_call(layer, base):
-    """True if `layer` runs `base`'s `call` (subclasses that override it do not)."""
-    return type(layer).call is base.call and not _lora_or_quantized(layer)
+    """True if `layer` is a `base` running `base`'s own `call` (not overridden), without LoRA."""
+    return (
+        isinstance(layer, base)
+        and type(layer).call is base.call
+        and not _lora_or_quantized(layer)
+    )
 
 
 def _lora_or_quantized(layer):
