@@ -1,0 +1,160 @@
+"""Benchmark: time per epoch of every `task_balancing` method, K = 2, 4 and 8 tasks.
+
+One shared trunk (Dense 256 x 2 on 64 features) and K heads (Dense 32 ->
+Dense 1), 4096 samples, batch 256 (16 steps an epoch). Per K, in one
+process, rounds interleaved, median of the per-round ratios:
+
+- vs `sum`: stock `fit` on the summed loss (linear scalarization);
+- vs `floor`: a hand-written `train_step` that calls `tape.gradient` once per
+  task on a persistent tape (the floor for methods that need every task's
+  gradient of the shared variables) and applies their sum.
+
+Targets (issue 18): loss weightings and `MeasureConflict(every=10)` <= 1.10x
+sum; gradient methods <= 1.05x floor; `MGDA(on="representation")` <= 1.5x
+sum. Also compares the two ways of computing the rows (`pfor` Jacobian vs
+one `tape.gradient` per task, `keras_tapeops.multitask.engine.JACOBIAN_METHOD`).
+
+Run: python bench/multi_task.py [--rounds 5] [--ks 2 4 8]  (several minutes on 2 cores)
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from common import interleaved  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_tapeops as kt  # noqa: E402
+
+N, FEATURES, BATCH = 4096, 64, 256
+SHARED = ["trunk_1", "trunk_2"]
+
+
+class FloorModel(keras.Model):
+    """The hand-written loop: one `tape.gradient` per task on a persistent tape."""
+
+    def train_step(self, data):
+        x, y = data
+        shared = [v for v in self.trainable_variables if v.path.split("/")[0] in SHARED]
+        heads = [v for v in self.trainable_variables if v.path.split("/")[0] not in SHARED]
+        with tf.GradientTape(persistent=True) as tape:
+            y_pred = self(x, training=True)
+            losses = [tf.reduce_mean(tf.square(y[k] - y_pred[k])) for k in sorted(y)]
+            total = tf.add_n(losses)
+        per_task = [tape.gradient(loss, shared) for loss in losses]
+        shared_grads = [tf.add_n(list(gs)) for gs in zip(*per_task)]
+        head_grads = tape.gradient(total, heads)
+        self.optimizer.apply_gradients(zip(shared_grads + head_grads, shared + heads))
+        return {"loss": total}
+
+
+def build(k, floor=False):
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(256, activation="relu", name="trunk_1")(inputs)
+    h = keras.layers.Dense(256, activation="relu", name="trunk_2")(h)
+    outputs = {
+        f"t{j}": keras.layers.Dense(1, name=f"t{j}")(
+            keras.layers.Dense(32, activation="relu", name=f"h{j}")(h)
+        )
+        for j in range(k)
+    }
+    if floor:
+        return FloorModel(inputs, outputs)
+    return kt.upgrade(keras.Model(inputs, outputs))
+
+
+def methods():
+    return {
+        "PCGrad": lambda: kt.PCGrad(shared=SHARED, seed=0),
+        "PCGrad (pfor rows)": lambda: kt.PCGrad(shared=SHARED, seed=0),
+        "MGDA": lambda: kt.MGDA(shared=SHARED),
+        "MGDA representation": lambda: kt.MGDA(
+            shared=SHARED, on="representation", representation="trunk_2"),
+        "CAGrad": lambda: kt.CAGrad(c=0.4, shared=SHARED),
+        "IMTLG": lambda: kt.IMTLG(shared=SHARED),
+        "AlignedMTL": lambda: kt.AlignedMTL(shared=SHARED),
+        "UPGrad": lambda: kt.UPGrad(shared=SHARED),
+        "GradNorm": lambda: kt.GradNorm(shared=SHARED),
+        "UncertaintyWeighting": lambda: kt.UncertaintyWeighting(),
+        "DWA": lambda: kt.DWA(),
+        "FAMO": lambda: kt.FAMO(),
+        "MeasureConflict(10)": lambda: kt.MeasureConflict(every=10, shared=SHARED),
+    }
+
+
+GRADIENT_METHODS = {"PCGrad", "PCGrad (pfor rows)", "MGDA", "CAGrad", "IMTLG", "AlignedMTL",
+                    "UPGrad", "GradNorm"}
+WEIGHTINGS = {"UncertaintyWeighting", "DWA", "FAMO", "MeasureConflict(10)"}
+
+
+def candidates(k):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype("float32")
+    y = {f"t{j}": rng.normal(size=(N, 1)).astype("float32") for j in range(k)}
+    loss = {name: "mse" for name in y}
+    fits = {}
+
+    def prepare(name, model):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # trace
+        fits[name] = lambda: model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+    keras.utils.set_random_seed(0)
+    stock = build(k)
+    stock.compile(optimizer="adam", loss=loss)
+    prepare("sum", stock)
+    floor = build(k, floor=True)
+    floor.compile(optimizer="adam")
+    prepare("floor", floor)
+    for name, make in methods().items():
+        model = build(k)
+        model.compile(optimizer="adam", loss=loss, task_balancing=make())
+        if "pfor" in name:
+            model.tapeops_state.engine.jacobian_method = "pfor"
+        prepare(name, model)
+    return fits
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    args = parser.parse_args()
+    table = {}
+    for k in args.ks:
+        times = interleaved(candidates(k), args.rounds)
+        for name, values in times.items():
+            vs_sum = statistics.median(v / b for v, b in zip(values, times["sum"]))
+            vs_floor = statistics.median(v / b for v, b in zip(values, times["floor"]))
+            table.setdefault(name, {})[k] = (statistics.median(values), vs_sum, vs_floor)
+        keras.backend.clear_session()
+    print(f"\ntime per epoch ({N} samples, batch {BATCH}); ratios: median over "
+          f"{args.rounds} interleaved rounds")
+    header = "".join(f" | K={k}: ms   x sum  x floor" for k in args.ks)
+    print(f"{'method':<22}{header}")
+    for name, row in table.items():
+        cells = "".join(
+            f" | {row[k][0] * 1000:8.0f} {row[k][1]:6.2f} {row[k][2]:7.2f}" for k in args.ks
+        )
+        print(f"{name:<22}{cells}")
+    print("\ntargets: loss weightings and MeasureConflict(10) <= 1.10x sum; gradient methods "
+          "<= 1.05x floor; MGDA representation <= 1.5x sum")
+    for name, row in table.items():
+        for k in args.ks:
+            _, vs_sum, vs_floor = row[k]
+            if name in WEIGHTINGS and vs_sum > 1.10:
+                print(f"  above target: {name} K={k}: {vs_sum:.2f}x sum")
+            if name in GRADIENT_METHODS and vs_floor > 1.05:
+                print(f"  above target: {name} K={k}: {vs_floor:.2f}x floor")
+            if name == "MGDA representation" and vs_sum > 1.5:
+                print(f"  above target: {name} K={k}: {vs_sum:.2f}x sum")
+
+
+if __name__ == "__main__":
+    main()
