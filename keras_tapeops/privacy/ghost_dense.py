@@ -52,9 +52,12 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
         squared = tf.reduce_sum(gram_a * gram_g, [1, 2])
         method = "ghost"
     else:
-        per_example = tf.einsum("btp,bto->bpo", a, g)
-        squared = tf.reduce_sum(per_example * per_example, [1, 2])
-        method = "per-example"
+        # The per-example gradients exist: the clipped sum weights them
+        # (no second pass over the positions).
+        rows = per_example_part(tf.einsum("btp,bto->bpo", a, g), scale, [p, o])
+        return Part(
+            rows.squared_norms, lambda c: kernel_from_matrix(rows.weighted(c)), rows.method
+        )
     squared = squared / (scale * scale)
 
     def weighted(c):
