@@ -5,6 +5,9 @@
 `kt.SelfPaced` and `kt.SuperLoss` reweight them. See `docs/selection.md`.
 """
 
+from keras_tapeops.selection.importance_sampling import ImportanceSampling
+from keras_tapeops.selection.reducible_loss import ReducibleLoss
+from keras_tapeops.selection.selective_backprop import SelectiveBackprop
 from keras_tapeops.selection.top_loss import TopLoss
 
-__all__ = ["TopLoss"]
+__all__ = ["ImportanceSampling", "ReducibleLoss", "SelectiveBackprop", "TopLoss"]

@@ -99,8 +99,13 @@ class SelectionState(MultiGradientState):
         }
 
     # ---------------------------------------------------------- the method
-    def select(self, model, x, y, sample_weight, losses, ids):
+    def select(self, model, x, y, sample_weight, losses, ids, y_pred):
         """Returns `(indices, weights)`: int32 `[k]` rows to keep, float32 `[k]` or None.
+
+        Args:
+            losses: the `[batch]` per-example losses of the scoring pass.
+            ids: the example ids (`kt.ReducibleLoss`), else None.
+            y_pred: the scoring pass's predictions.
 
         `indices=None` keeps every example in order (reweighting only).
         """
@@ -119,7 +124,7 @@ class SelectionState(MultiGradientState):
         x, ids = self.split_inputs(x)
         y_pred = self.scoring_predictions(model, x)
         losses = tf.stop_gradient(per_example_losses(model, y, y_pred, sample_weight))
-        indices, weights = self.select(model, x, y, sample_weight, losses, ids)
+        indices, weights = self.select(model, x, y, sample_weight, losses, ids, y_pred)
         n = batch_size(x)
         if indices is None:
             kept_x, kept_y, kept_w, kept_losses = x, y, sample_weight, losses
@@ -130,11 +135,13 @@ class SelectionState(MultiGradientState):
             kept_losses = tf.gather(losses, indices)
         if weights is not None:
             kept_w = weights if kept_w is None else _times(kept_w, weights)
-        self._log(n, tf.shape(kept_losses)[0], losses, kept_losses, weights)
+        self._log(n, tf.shape(kept_losses)[0], losses, kept_losses,
+                  weights if indices is None else None)
         grads, _ = model.single_pass_gradients(kept_x, kept_y, kept_w, loss_multiplier)
         return grads, y_pred
 
     def _log(self, n, k, losses, kept_losses, weights):
+        """Logs the diagnostics; `weights` only for reweighting without selection."""
         if weights is not None:
             # Reweighting: the weighted share of the batch that trains.
             share = tf.reduce_sum(weights) / tf.cast(tf.maximum(n, 1), "float32")

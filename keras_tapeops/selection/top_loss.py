@@ -50,7 +50,7 @@ class TopLossState(SelectionState):
     def score(self, model, x, y, sample_weight, losses, ids):
         return losses
 
-    def select(self, model, x, y, sample_weight, losses, ids):
+    def select(self, model, x, y, sample_weight, losses, ids, y_pred):
         scores = self.score(model, x, y, sample_weight, losses, ids)
         k = batches.kept_count(self.schedule_variable, tf.shape(scores)[0])
         top = tf.math.top_k(scores, k=k, sorted=False).indices

@@ -1,0 +1,105 @@
+"""`kt.ImportanceSampling`: sampling by loss or gradient-norm bound, unbiased (Katharopoulos & Fleuret 2018)."""
+
+import tensorflow as tf
+
+from keras_tapeops import validation
+from keras_tapeops.per_example import per_example_losses
+from keras_tapeops.registration import register
+from keras_tapeops.selection import batch as batches
+from keras_tapeops.selection.base import SelectionOption
+from keras_tapeops.selection.base import SelectionState
+from keras_tapeops.selection.base import fraction_argument
+from keras_tapeops.selection.randomness import StepSeeds
+
+SCORES = ("loss", "gradient_bound")
+
+
+@register
+class ImportanceSampling(SelectionOption):
+    """Draws k examples with probability q_i and reweights them by 1 / (n q_i).
+
+    q_i = (1 - smoothing) * s_i / sum(s) + smoothing / n, where s_i is the
+    example's loss (`score="loss"`) or the norm of the loss's gradient with
+    respect to the model's outputs (`score="gradient_bound"`, the upper bound
+    of Katharopoulos & Fleuret, from the scoring pass: no backward pass
+    through the weights). k = ceil(fraction * n) indices are drawn with
+    replacement and each kept example's sample weight is multiplied by
+    1 / (n q_i): the expected gradient equals the whole batch's gradient
+    (for the default mean reduction; loss terms see the kept examples,
+    unweighted).
+
+    Args:
+        fraction: k / n, in (0, 1].
+        score: `"loss"` or `"gradient_bound"`.
+        smoothing: share of the uniform distribution mixed in, in [0, 1]
+            (> 0 keeps every example reachable).
+        seed: None (random) or an int for reproducible draws.
+
+    Returns:
+        An option for `compile(sample_selection=...)`.
+
+    Example:
+    ```python
+    import keras, numpy as np, keras_tapeops as kt
+    model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer="sgd", loss="mse",
+                  sample_selection=kt.ImportanceSampling(fraction=0.5, score="gradient_bound"))
+    model.fit(np.random.rand(16, 4), np.zeros((16, 1)), batch_size=8, verbose=0)
+    ```
+    """
+
+    def __init__(self, fraction=0.25, score="loss", smoothing=0.1, seed=None):
+        self.fraction = fraction_argument(fraction)
+        self.score = validation.choice(score, "score", SCORES)
+        self.smoothing = validation.non_negative_number(smoothing, "smoothing")
+        if self.smoothing > 1.0:
+            raise ValueError(f"`smoothing` must be in [0, 1]. Received: smoothing={smoothing!r}")
+        self.seed = None if seed is None else int(validation.finite_number(seed, "seed", minimum=0))
+
+    def bind(self, model, tree):
+        return ImportanceSamplingState(self)
+
+    def get_config(self):
+        return {"fraction": self.fraction, "score": self.score,
+                "smoothing": self.smoothing, "seed": self.seed}
+
+
+class ImportanceSamplingState(SelectionState):
+    def __init__(self, option):
+        super().__init__(option.fraction)
+        self.option = option
+        self.seeds = StepSeeds(option.seed)
+        self.variables.append(self.seeds.counter)
+
+    def scores(self, model, y, sample_weight, losses, y_pred):
+        if self.option.score == "loss":
+            return tf.maximum(losses, 0.0)
+        outputs = tf.nest.flatten(y_pred)
+        with tf.GradientTape() as tape:
+            tape.watch(outputs)
+            packed = tf.nest.pack_sequence_as(y_pred, outputs)
+            total = tf.reduce_sum(per_example_losses(model, y, packed, sample_weight))
+        grads = tape.gradient(total, outputs)
+        n = tf.shape(losses)[0]
+        squares = [
+            tf.reduce_sum(tf.reshape(tf.square(tf.cast(g, "float32")), [n, -1]), axis=1)
+            for g in grads if g is not None
+        ]
+        return tf.sqrt(tf.add_n(squares))
+
+    def probabilities(self, scores):
+        n = tf.cast(tf.shape(scores)[0], "float32")
+        total = tf.reduce_sum(scores)
+        share = tf.where(total > 0, scores / tf.where(total > 0, total, 1.0), 1.0 / n)
+        a = self.option.smoothing
+        return (1.0 - a) * share + a / n
+
+    def select(self, model, x, y, sample_weight, losses, ids, y_pred):
+        q = self.probabilities(self.scores(model, y, sample_weight, losses, y_pred))
+        n = tf.shape(q)[0]
+        k = batches.kept_count(self.schedule_variable, n)
+        indices = tf.random.stateless_categorical(
+            tf.math.log(tf.maximum(q, 1e-30))[None, :], k, self.seeds.next(), dtype="int32"
+        )[0]
+        weights = 1.0 / (tf.cast(n, "float32") * tf.gather(q, indices))
+        return indices, weights

@@ -1,0 +1,146 @@
+"""`kt.ReducibleLoss`: RHO-LOSS selection (Mindermann et al. 2022).
+
+Reference: OATML/RHO-Loss, `src/curricula/selection_methods.py`
+(`reducible_loss_selection`): reducible loss = training loss minus the
+irreducible loss (looked up by the example's global index in a tensor, or
+computed by a model trained on a holdout set), keep the top k.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_tapeops import _keras_private as private
+from keras_tapeops.per_example import per_example_losses
+from keras_tapeops.registration import register
+from keras_tapeops.selection import batch as batches
+from keras_tapeops.selection.base import SelectionOption
+from keras_tapeops.selection.base import fraction_argument
+from keras_tapeops.selection.top_loss import TopLossState
+
+ID_KEY = "example_id"
+
+
+@register
+class ReducibleLoss(SelectionOption):
+    """Steps on the k = ceil(fraction * batch) largest reducible losses.
+
+    reducible_i = loss_i - irreducible_i, where the irreducible loss is the
+    loss of a model trained on a holdout set: either precomputed for every
+    training example and looked up by the example's id (an array), or
+    computed by that model in the step (a `keras.Model`; its outputs go
+    through the training model's compiled loss).
+
+    Id convention: with an array, `x` is a dict holding the integer example
+    ids (indices into `irreducible`) under `id_key` and the model's inputs
+    under its other keys; a single remaining entry is passed to the model
+    unwrapped (`{"x": features, "example_id": ids}` for a one-input model),
+    several are passed as a dict. Ids are removed before the model sees `x`;
+    evaluate and predict take data without them. A batch without ids is
+    refused at the first step.
+
+    Args:
+        irreducible: a 1-D array of irreducible losses indexed by example id,
+            or a `keras.Model` (the irreducible-loss model).
+        fraction: share of each candidate batch kept, in (0, 1] (RHO-LOSS
+            uses 0.1: a candidate batch 10x the training batch).
+        id_key: the key of the ids in `x`.
+
+    Returns:
+        An option for `compile(sample_selection=...)`.
+
+    Example:
+    ```python
+    import keras, numpy as np, keras_tapeops as kt
+    x, y = np.random.rand(32, 4).astype("float32"), np.zeros((32, 1), "float32")
+    model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer="sgd", loss="mse",
+                  sample_selection=kt.ReducibleLoss(irreducible=np.zeros(32), fraction=0.25))
+    model.fit({"x": x, "example_id": np.arange(32)}, y, batch_size=16, verbose=0)
+    ```
+    """
+
+    def __init__(self, irreducible, fraction=0.1, id_key=ID_KEY):
+        self.fraction = fraction_argument(fraction)
+        if not isinstance(id_key, str) or not id_key:
+            raise ValueError(f"`id_key` must be a non-empty string. Received: id_key={id_key!r}")
+        self.id_key = id_key
+        if isinstance(irreducible, keras.Model):
+            self.irreducible = irreducible
+        else:
+            try:
+                values = np.asarray(irreducible, dtype="float32")
+            except (TypeError, ValueError):
+                values = None
+            if values is None or values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)):
+                raise ValueError(
+                    "`irreducible` must be a non-empty 1-D array of finite losses "
+                    "indexed by example id, or a keras.Model. "
+                    f"Received: irreducible={_short(irreducible)}"
+                )
+            self.irreducible = values
+
+    @property
+    def uses_ids(self):
+        return not isinstance(self.irreducible, keras.Model)
+
+    def bind(self, model, tree):
+        return ReducibleLossState(self)
+
+    def get_config(self):
+        if self.uses_ids:
+            irreducible = self.irreducible.tolist()
+        else:
+            # The holdout model's architecture and weights, so that a saved
+            # model reloads with the same selection.
+            irreducible = {
+                "model": keras.saving.serialize_keras_object(self.irreducible),
+                "weights": [w.tolist() for w in self.irreducible.get_weights()],
+            }
+        return {"irreducible": irreducible, "fraction": self.fraction, "id_key": self.id_key}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        irreducible = config.pop("irreducible")
+        if isinstance(irreducible, dict):
+            model = keras.saving.deserialize_keras_object(irreducible["model"])
+            model.set_weights([np.asarray(w, "float32") for w in irreducible["weights"]])
+            irreducible = model
+        return cls(irreducible=irreducible, **config)
+
+
+class ReducibleLossState(TopLossState):
+    """Top k of loss minus irreducible loss."""
+
+    def __init__(self, option):
+        super().__init__(option.fraction)
+        self.option = option
+        self.table = None
+        if option.uses_ids:
+            self.table = tf.constant(option.irreducible)
+
+    def split_inputs(self, x):
+        return batches.split_ids(x, self.option.id_key)
+
+    def check_batch(self, model, x, y, sample_weight):
+        if self.option.uses_ids and not (isinstance(x, dict) and self.option.id_key in x):
+            raise ValueError(
+                "kt.ReducibleLoss looks up the irreducible loss by example id: pass x "
+                f"as a dict with the integer ids under {self.option.id_key!r} and the "
+                f"model's inputs under the other keys. Received: x as {batches.describe(x)}"
+            )
+
+    def score(self, model, x, y, sample_weight, losses, ids):
+        if self.table is not None:
+            irreducible = tf.gather(self.table, tf.cast(ids, "int32"))
+        else:
+            holdout = self.option.irreducible
+            predictions = private.call_model(holdout, x, training=False)
+            irreducible = per_example_losses(model, y, predictions, sample_weight)
+        return losses - tf.stop_gradient(irreducible)
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
