@@ -109,7 +109,7 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     config = yaml.safe_load((REPO / "mkdocs.yml").read_text("utf-8"))
     config["docs_dir"] = str(docs)
     config["hooks"] = [str(REPO / "docs" / "hooks.py")]
-    config["plugins"][1]["mkdocstrings"]["handlers"]["python"]["paths"] = [str(REPO)]
+    config["plugins"] = ["search"]  # the API pages' `:::` lines stay text: a faster build
     (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config), "utf-8")
     result = build(tmp_path / "site", config=tmp_path / "mkdocs.yml",
                    figures_dir=tmp_path / "no-figures")
