@@ -10,9 +10,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops import _keras_private as keras_private
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.registration import register
+from keras_tapeops.selection import _keras_private as private
 from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import fraction_argument
@@ -85,6 +86,8 @@ class ReducibleLoss(SelectionOption):
         return not isinstance(self.irreducible, keras.Model)
 
     def bind(self, model, tree):
+        if self.uses_ids:
+            private.strip_ids_before_symbolic_build(model, self.id_key)
         return ReducibleLossState(self)
 
     def get_config(self):
@@ -136,7 +139,7 @@ class ReducibleLossState(TopLossState):
             irreducible = tf.gather(self.table, tf.cast(ids, "int32"))
         else:
             holdout = self.option.irreducible
-            predictions = private.call_model(holdout, x, training=False)
+            predictions = keras_private.call_model(holdout, x, training=False)
             irreducible = per_example_losses(model, y, predictions, sample_weight)
         return losses - tf.stop_gradient(irreducible)
 
