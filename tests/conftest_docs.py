@@ -12,7 +12,8 @@ options, so a page runs the same under that plugin and under the suite:
 - ```python notest: shown, not run; the page says why next to it.
 
 Blocks run with the current directory set to a fresh temporary directory, so
-a block that saves `model.keras` or writes a PNG leaves nothing behind.
+a block that saves `model.keras` or writes a PNG leaves nothing behind. A
+block that creates a `MirroredStrategy` runs in its own Python process.
 """
 
 import dataclasses
@@ -96,6 +97,8 @@ def run_block(block, directory, namespace=None):
     Returns its namespace: `namespace` (a block run before it, e.g. a setup)
     or a fresh one.
     """
+    if "MirroredStrategy(" in block.code and namespace is None:
+        return _run_in_new_process(block, directory)
     if namespace is None:
         namespace = {"__name__": "__main__", "__file__": block.origin}
     here = os.getcwd()
@@ -113,3 +116,21 @@ def run_block(block, directory, namespace=None):
     finally:
         os.chdir(here)
     return namespace
+
+
+def _run_in_new_process(block, directory):
+    """Runs a block that creates a tf.distribute strategy in its own process.
+
+    TensorFlow allows one MirroredStrategy per process (README, Known
+    limitations), and the test processes already hold the suite's one.
+    """
+    import subprocess
+    import sys
+
+    script = pathlib.Path(directory) / "block.py"
+    script.write_text(block.code, "utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=directory, capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if result.returncode != 0:
+        raise AssertionError(f"{block.id} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return {}

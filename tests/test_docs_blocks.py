@@ -49,3 +49,53 @@ def test_pages_are_found():
     names = {p.name for p in PAGES}
     assert {"README.md", "accumulation.md", "upgrade.md"} <= names
     assert len(BLOCKS) >= 30
+
+
+PAGE = """
+Text.
+
+```python
+a = 1
+```
+
+```python continuation
+b = a + 1
+```
+
+```python notest
+never_run()
+```
+
+```text
+not python
+```
+
+- a list item:
+
+  ```python
+  c = 3
+  ```
+"""
+
+
+def test_blocks_follow_pytest_markdown_docs_fence_options(tmp_path):
+    blocks, skipped = python_blocks(PAGE, "page.md")
+    assert skipped == 1
+    assert [b.line for b in blocks] == [5, 9, 23]
+    # A continuation runs after the blocks before it; the others start afresh.
+    assert run_block(blocks[1], tmp_path)["b"] == 2
+    assert "a" not in run_block(blocks[2], tmp_path)
+    # Line numbers in tracebacks are the page's.
+    assert blocks[1].code.splitlines()[8] == "b = a + 1"
+
+
+def test_a_block_creating_a_strategy_runs_in_its_own_process(tmp_path):
+    import os
+
+    code = "import os\nopen('pid', 'w').write(str(os.getpid()))  # MirroredStrategy()\n"
+    [block], _ = python_blocks(f"```python\n{code}```\n", "page.md")
+    run_block(block, tmp_path)
+    assert int((tmp_path / "pid").read_text()) != os.getpid()
+    [failing], _ = python_blocks("```python\n# MirroredStrategy()\nraise SystemExit(3)\n```\n", "p.md")
+    with pytest.raises(AssertionError, match="p.md:2 failed"):
+        run_block(failing, tmp_path)
