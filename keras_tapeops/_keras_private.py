@@ -187,6 +187,16 @@ def in_symbolic_build():
     return in_symbolic_scope()
 
 
+def own_variables(layer):
+    """The variables `layer` itself tracks (not its sublayers'), as Keras saves them.
+
+    `Layer.save_own_variables` writes `layer._trainable_variables +
+    layer._non_trainable_variables` (private lists) as "0", "1", ...; reading
+    a file whose model-level entry has more of them needs the same list.
+    """
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
 def maybe_symbolic_build(model, iterator, data_batch, stock):
     """Keras's `_maybe_symbolic_build`, working under MultiWorkerMirroredStrategy.
 

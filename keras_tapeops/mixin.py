@@ -134,6 +134,25 @@ class TapeOpsMixin:
         state = self.tapeops_state
         return state.saveable if state is not None else None
 
+    def load_own_variables(self, store):
+        """Stock loading, also of files saved before issue 17.
+
+        keras_tapeops up to then listed the options' training state among the
+        model's own variables, after the model's others: a file whose
+        model-level entry has exactly that many more values loads them into
+        the training state. Any other file loads as in stock Keras.
+        """
+        state = self.tapeops_state
+        legacy = state.training_state_items() if state is not None else []
+        own = private.own_variables(self)
+        if legacy and len(store.keys()) == len(own) + len(legacy):
+            values = [store[str(i)] for i in range(len(own) + len(legacy))]
+            super().load_own_variables({str(i): v for i, v in enumerate(values[: len(own)])})
+            for (_, variable), value in zip(legacy, values[len(own):]):
+                variable.assign(value)
+            return
+        super().load_own_variables(store)
+
     def get_compile_config(self):
         config = super().get_compile_config()
         options = getattr(self, "_tapeops", None)

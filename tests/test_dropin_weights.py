@@ -287,3 +287,18 @@ def test_mirrored_training_state_is_saved_apart_and_read_by_stock(mirrored, tmp_
     again.load_weights(tmp_path / "mirrored.weights.h5")
     assert _state(again)["0.SkipNonFinite.consecutive_skips"] == 2.0
     _assert_same(again.get_weights(), model.get_weights())
+
+
+def test_files_saved_before_issue_17_still_load(tmp_path):
+    """Earlier versions saved the training state as the model's own variables
+    (model-level entry "vars/0" ...): such a file restores it."""
+    old_layout = _stock()
+    old_layout.consecutive_skips = keras.Variable(2.0, trainable=False, name="consecutive_skips")
+    _fit(old_layout)
+    old_layout.save_weights(tmp_path / "old.weights.h5")
+    with h5py.File(tmp_path / "old.weights.h5", "r") as f:
+        assert list(f["vars"]) == ["0"]
+    model = _upgraded("sam")
+    model.load_weights(tmp_path / "old.weights.h5")
+    assert _state(model) == {"0.SkipNonFinite.consecutive_skips": 2.0}
+    _assert_same(model.get_weights(), old_layout.get_weights()[1:])  # own variables first
