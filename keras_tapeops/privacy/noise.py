@@ -68,6 +68,10 @@ def gaussian(shape, key, step, index, stddev):
     gaussian([3], tf.constant([1, 2], tf.int64), step=0, index=0, stddev=1.1)
     ```
     """
-    key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
-    key = tf.random.experimental.stateless_fold_in(key, index)
-    return tf.random.stateless_normal(shape, key, stddev=stddev, dtype=tf.float32)
+    # Philox explicitly: "auto_select" picks another generator under XLA, and
+    # jit_compile=True must draw the same noise as the graph.
+    key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64), alg="philox")
+    key = tf.random.experimental.stateless_fold_in(key, index, alg="philox")
+    return tf.random.stateless_normal(
+        shape, key, stddev=stddev, dtype=tf.float32, alg="philox"
+    )
