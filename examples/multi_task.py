@@ -207,7 +207,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a few steps (smoke test)")
     parser.add_argument("--out", default="multi_task.png", help="where to write the PNG")
     args = parser.parse_args()
-    steps, epochs, n = (20, 2, 128) if args.quick else (3000, 30, 2048)
+    steps, epochs, n = (10, 2, 96) if args.quick else (3000, 30, 2048)
     paths = run_toy(steps)
     curves = run_model(epochs, n)
     plot(paths, curves, args.out)

@@ -24,11 +24,10 @@ def _engine_state(model):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: kt.PCGrad(shared="trunk", seed=5),
-    lambda: kt.UncertaintyWeighting(),
+    lambda: kt.GradNorm(shared="trunk", learning_rate=0.1),
     lambda: kt.MGDA(shared="trunk", on="representation"),
-    lambda: kt.MeasureConflict(every=1, shared="trunk"),
-], ids=["PCGrad", "UncertaintyWeighting", "MGDA_representation", "MeasureConflict"])
+    lambda: kt.MeasureConflict(every=2, shared="trunk"),
+], ids=["GradNorm", "MGDA_representation", "MeasureConflict"])
 def test_two_replicas_equal_one_device(mirrored, make):
     single = build_model(2)
     history = compile_and_fit(single, 2, epochs=2, task_balancing=make())
@@ -107,6 +106,6 @@ def test_sam_and_other_multi_gradient_options_are_refused_naming_both():
 
 def test_jit_compile_equals_graph_mode():
     graph, xla = build_model(2), build_model(2)
-    compile_and_fit(graph, 2, task_balancing=kt.CAGrad(shared="trunk"))
-    compile_and_fit(xla, 2, task_balancing=kt.CAGrad(shared="trunk"), jit_compile=True)
+    compile_and_fit(graph, 2, task_balancing=kt.IMTLG(shared="trunk"))
+    compile_and_fit(xla, 2, task_balancing=kt.IMTLG(shared="trunk"), jit_compile=True)
     _weights_close(xla.get_weights(), graph.get_weights(), atol=1e-5)

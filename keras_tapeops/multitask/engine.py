@@ -136,7 +136,9 @@ class TaskEngine(MultiGradientState):
         shared = [on for on in self.shared]
         kind = self.option.kind
         layers = [self.representation] if kind == "representation" else []
-        scale = true_gradients.loss_scale(model.optimizer)
+        # The factor the stock step multiplies its loss by (a LossScaleOptimizer's
+        # dynamic scale, a static `loss_scale_factor`, or 1).
+        scale = model.optimizer.scale_loss(tf.constant(1.0)) if model.optimizer else None
         with tf.GradientTape(persistent=True) as tape:
             with recording_task_losses(model) as record:
                 with capture.recording_outputs(layers) as captured:
