@@ -63,7 +63,7 @@ from keras_tapeops.physics.condition import ConditionLoss  # noqa: E402
 from keras_tapeops.physics.residual import PDEResidual  # noqa: E402
 from keras_tapeops.aggregation import AlignedMTL, CAGrad, IMTLG, MGDA, PCGrad, UPGrad  # noqa: E402,E501
 from keras_tapeops.multitask import DWA, FAMO, GradNorm, MeasureConflict, UncertaintyWeighting  # noqa: E402,E501
-from keras_tapeops.selection import ImportanceSampling, ReducibleLoss, SelectiveBackprop, TopLoss  # noqa: E402,E501
+from keras_tapeops.selection import ImportanceSampling, ReducibleLoss, SelectiveBackprop, SelfPaced, SuperLoss, TopLoss  # noqa: E402,E501
 
 __version__ = _installed_version()  # one source: `version` in pyproject.toml
 
@@ -132,4 +132,6 @@ __all__ = [
     "ReducibleLoss",
     "SelectiveBackprop",
     "ImportanceSampling",
+    "SelfPaced",
+    "SuperLoss",
 ]

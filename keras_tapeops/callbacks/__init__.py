@@ -5,6 +5,7 @@ from keras_tapeops.callbacks.group_learning_rate import GroupLearningRateSchedul
 from keras_tapeops.callbacks.group_reduce_lr_on_plateau import GroupReduceLROnPlateau
 from keras_tapeops.callbacks.privacy_budget import PrivacyBudget
 from keras_tapeops.callbacks.robust_accuracy import RobustAccuracy
+from keras_tapeops.callbacks.selection_schedule import SelectionSchedule
 from keras_tapeops.callbacks.sharpness import Sharpness
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "GroupReduceLROnPlateau",
     "PrivacyBudget",
     "RobustAccuracy",
+    "SelectionSchedule",
     "Sharpness",
 ]

@@ -8,6 +8,10 @@
 from keras_tapeops.selection.importance_sampling import ImportanceSampling
 from keras_tapeops.selection.reducible_loss import ReducibleLoss
 from keras_tapeops.selection.selective_backprop import SelectiveBackprop
+from keras_tapeops.selection.self_paced import SelfPaced
+from keras_tapeops.selection.super_loss import SuperLoss
 from keras_tapeops.selection.top_loss import TopLoss
 
-__all__ = ["ImportanceSampling", "ReducibleLoss", "SelectiveBackprop", "TopLoss"]
+__all__ = [
+    "ImportanceSampling", "ReducibleLoss", "SelectiveBackprop", "SelfPaced", "SuperLoss", "TopLoss",
+]
