@@ -5,11 +5,13 @@
    the same math: Burgers' residual on collocation points drawn by the same
    stateless RNG keyed by the optimizer step, a wall condition, the data MSE.
    Same network, same data, `steps_per_execution` alike; rounds interleaved
-   in one process; the median ratio of epoch times is printed (target <= 1.05).
+   in one process; the median ratio of epoch times is printed, wall and CPU
+   time (the CPU ratio is the reliable one on shared cores; target <= 1.05).
 2. `kt.input_derivatives(order=2)`: forward mode (forward over reverse) vs
    reverse mode (reverse over reverse), at 1, 2 and 3 input coordinates,
    inside a training step (differentiated again w.r.t. the weights) and
-   alone (no outer tape). This is the table `mode="auto"` follows.
+   alone (no outer tape); then `order=1` with 1 and 4 outputs. These are the
+   tables `mode="auto"` follows (CPU time: the machine may be shared).
 
 Run: python bench/pinn.py [--quick]   (a few minutes on 2 CPU cores)
 """
@@ -17,9 +19,8 @@ Run: python bench/pinn.py [--quick]   (a few minutes on 2 CPU cores)
 import argparse
 import os
 import statistics
-import sys
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -28,7 +29,24 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
-from common import interleaved  # noqa: E402
+
+
+def interleaved_wall_and_cpu(candidates, rounds):
+    """Times each zero-argument callable once per round (alternating order), wall and CPU.
+
+    CPU time (all threads of this process) is far less disturbed than wall
+    time when other jobs share the cores.
+    """
+    times = {name: {"wall": [], "cpu": []} for name in candidates}
+    names = list(candidates)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            candidates[name]()
+            times[name]["wall"].append(time.perf_counter() - wall)
+            times[name]["cpu"].append(time.process_time() - cpu)
+    return times
+
 
 NU = 0.01 / np.pi
 LOW, HIGH, SEED = (-1.0, 0.0), (1.0, 1.0), 0
@@ -115,21 +133,26 @@ def step_benchmark(width, depth, n_points, steps, rounds):
     print(f"\nPINN step: {depth}x{width} tanh, {n_points} collocation points, "
           f"{steps} steps per epoch, {rounds} rounds (weights after the same steps "
           f"differ by {same:.1e}; last pde {a['pde'][-1]:.4e} vs {b['pde'][-1]:.4e})")
-    times = interleaved(candidates, rounds)
+    times = interleaved_wall_and_cpu(candidates, rounds)
     base = times["hand-written nested tapes"]
-    for name, values in times.items():
-        ratios = [v / b for v, b in zip(values, base)]
-        print(f"  {name:<28} median {statistics.median(values) / steps * 1000:7.2f} ms/step   "
-              f"{statistics.median(ratios):.3f}x hand-written")
+    for name, clocks in times.items():
+        line = f"  {name:<28}"
+        for clock in ("wall", "cpu"):
+            ratios = [v / b for v, b in zip(clocks[clock], base[clock])]
+            line += (f"  {clock} {statistics.median(clocks[clock]) / steps * 1000:7.2f} ms/step "
+                     f"{statistics.median(ratios):.3f}x")
+        print(line + "  (vs hand-written)")
 
 
-def mode_benchmark(n_points, width, depth, repeats, rounds):
-    print(f"\nSecond derivatives (order=2), {n_points} points, {depth}x{width} tanh, "
-          "ms per call (median of rounds):")
+def mode_benchmark(n_points, width, depth, repeats, rounds, order=2, n_out=1):
+    print(f"\n{'Second' if order == 2 else 'First'} derivatives (order={order}), "
+          f"{n_out} output(s), {n_points} points, {depth}x{width} tanh, "
+          "CPU ms per call (median of rounds):")
     print(f"  {'inputs':>6}  {'setting':<15} {'forward':>9} {'reverse':>9}  forward/reverse")
     for n_in in (1, 2, 3):
         keras.utils.set_random_seed(0)
-        net = keras.Sequential([keras.Input((n_in,))] + layers(width, depth))
+        net = keras.Sequential([keras.Input((n_in,))] + layers(width, depth)[:-1]
+                               + [keras.layers.Dense(n_out)])
         x = tf.constant(np.random.default_rng(0).uniform(-1, 1, (n_points, n_in)).astype("float32"))
         for setting in ("training step", "alone"):
             candidates = {}
@@ -138,15 +161,16 @@ def mode_benchmark(n_points, width, depth, repeats, rounds):
                     @tf.function
                     def fn(x, mode=mode):
                         with tf.GradientTape() as tape:
-                            y, d1, d2 = kt.input_derivatives(net, x, order=2, mode=mode)
-                            loss = tf.reduce_mean(tf.square(tf.reduce_sum(d2, -1)[:, 0] + y[:, 0]))
+                            out = kt.input_derivatives(net, x, order=order, mode=mode)
+                            loss = tf.reduce_mean(tf.square(tf.reduce_sum(out[-1], -1) + out[0]))
                         return tape.gradient(loss, net.trainable_variables)
                 else:
-                    fn = tf.function(lambda x, mode=mode: kt.input_derivatives(net, x, 2, mode))
+                    fn = tf.function(lambda x, mode=mode: kt.input_derivatives(net, x, order, mode))
                 fn(x)
                 candidates[mode] = lambda fn=fn: [fn(x) for _ in range(repeats)]
-            times = interleaved(candidates, rounds)
-            f, r = (statistics.median(times[m]) / repeats * 1000 for m in ("forward", "reverse"))
+            times = interleaved_wall_and_cpu(candidates, rounds)
+            f, r = (statistics.median(times[m]["cpu"]) / repeats * 1000
+                    for m in ("forward", "reverse"))
             print(f"  {n_in:>6}  {setting:<15} {f:9.2f} {r:9.2f}  {f / r:.2f}")
 
 
@@ -157,10 +181,14 @@ def main():
     if args.quick:
         step_benchmark(width=10, depth=2, n_points=500, steps=20, rounds=3)
         mode_benchmark(n_points=200, width=10, depth=2, repeats=3, rounds=3)
+        mode_benchmark(n_points=200, width=10, depth=2, repeats=3, rounds=3, order=1, n_out=4)
         return
-    step_benchmark(width=20, depth=8, n_points=4000, steps=50, rounds=9)
+    step_benchmark(width=20, depth=8, n_points=4000, steps=50, rounds=15)
     for n_points in (1000, 10000):
         mode_benchmark(n_points=n_points, width=20, depth=4, repeats=10, rounds=7)
+    for n_out in (1, 4):
+        mode_benchmark(n_points=10000, width=20, depth=4, repeats=10, rounds=7, order=1,
+                       n_out=n_out)
 
 
 if __name__ == "__main__":
