@@ -68,7 +68,7 @@ def toy_trajectories(aggregator, starts, steps, learning_rate=0.01):
             if aggregator is None:
                 directions.append(tf.reduce_sum(rows, axis=0))
             else:
-                context = StepContext(2, losses=losses, step=index)
+                context = StepContext(2, losses=losses, step=index, seed=0)
                 directions.append(aggregator.aggregate(rows, context))
         optimizer.apply_gradients([(tf.stack(directions), points)])
 

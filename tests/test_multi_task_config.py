@@ -112,7 +112,7 @@ def test_learned_weights_survive_save_and_load(tmp_path, make):
     compile_and_fit(model, 2, epochs=2, task_balancing=make())
     state = {k: v.numpy() for k, v in model.tapeops_state.engine.state.items()}
     assert not np.allclose(state[next(iter(state))], make().initial_state(2)[next(iter(state))])
-    assert not any(v is w for v in model.tapeops_state.engine.variables for w in model.trainable_weights)
+    assert not any(v is w for v in model.tapeops_state.engine.variables for w in model.weights)
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
@@ -161,3 +161,30 @@ def test_learned_weights_survive_backup_and_restore(tmp_path, make):
         np.testing.assert_allclose(
             resumed.tapeops_state.engine.state[name].numpy(), variable.numpy(), rtol=1e-6, atol=1e-7
         )
+
+
+class SubclassedNet(kt.TapeOpsMixin, keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.trunk = keras.layers.Dense(4, activation="tanh", name="trunk",
+                                        kernel_regularizer=keras.regularizers.L2(0.01))
+        self.a = keras.layers.Dense(1, name="a")
+        self.b = keras.layers.Dense(2, name="b")
+
+    def call(self, x):
+        h = self.trunk(x)
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+def test_subclassed_model_needs_tasks_and_then_equals_the_functional_model():
+    with pytest.raises(ValueError, match="subclassed model.*Received: tasks=None"):
+        SubclassedNet().compile(optimizer="sgd", loss={"a": "mse", "b": "mse"},
+                              task_balancing=kt.PCGrad(shared="trunk"))
+    functional = build_model(2)
+    subclassed = SubclassedNet()  # built lazily, inside the first traced step
+    compile_and_fit(subclassed, 2, task_balancing=kt.PCGrad(shared="trunk", tasks=["a", "b"], seed=0))
+    subclassed.set_weights(functional.get_weights())  # same start, then one more epoch each
+    compile_and_fit(subclassed, 2, task_balancing=kt.PCGrad(shared="trunk", tasks=["a", "b"], seed=0))
+    compile_and_fit(functional, 2, task_balancing=kt.PCGrad(shared="trunk", seed=0))
+    for a, b in zip(subclassed.get_weights(), functional.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

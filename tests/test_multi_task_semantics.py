@@ -11,6 +11,7 @@ from keras_tapeops.aggregation.pcgrad import task_orders
 from test_multi_task import Oracle
 from test_multi_task import build_model
 from test_multi_task import compile_and_fit
+from test_multi_task import make_data
 from test_multi_task import rows_method
 
 
@@ -109,3 +110,16 @@ def test_jit_compile_equals_graph_mode():
     compile_and_fit(graph, 2, task_balancing=kt.IMTLG(shared="trunk"))
     compile_and_fit(xla, 2, task_balancing=kt.IMTLG(shared="trunk"), jit_compile=True)
     _weights_close(xla.get_weights(), graph.get_weights(), atol=1e-5)
+
+
+def test_pfor_and_loop_rows_give_the_same_training():
+    loop, pfor = build_model(3), build_model(3)
+    compile_and_fit(loop, 3, task_balancing=kt.UPGrad(shared="trunk"))
+    pfor.compile(optimizer=keras.optimizers.SGD(0.1), loss={n: "mse" for n in "abc"},
+                 loss_weights={"a": 0.5, "b": 2.0, "c": 1.0},
+                 task_balancing=kt.UPGrad(shared="trunk"))
+    pfor.tapeops_state.engine.jacobian_method = "pfor"
+    x, ys, sw = make_data(3)
+    pfor.fit(x, ys, sample_weight=sw, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert loop.tapeops_state.engine.jacobian_method == "loop"
+    _weights_close(pfor.get_weights(), loop.get_weights(), atol=1e-6)

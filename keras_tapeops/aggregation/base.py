@@ -8,6 +8,10 @@ apart (`keras_tapeops.rows`), so each aggregator is a pure function of a
 small matrix, testable with NumPy.
 """
 
+import tensorflow as tf
+
+from keras_tapeops import rows as row_ops
+from keras_tapeops.multitask.option import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 
 
@@ -41,12 +45,10 @@ class Aggregator(TaskBalancing):
         Returns:
             `[P]` float32.
         """
-        import tensorflow as tf
-
-        from keras_tapeops import rows as row_ops
-        from keras_tapeops.multitask.option import StepContext
-
         rows = tf.convert_to_tensor(rows, tf.float32)
         if context is None:
-            context = StepContext(int(rows.shape[0]), step=tf.constant(0, tf.int64))
+            seed = getattr(self, "seed", None)
+            context = StepContext(
+                int(rows.shape[0]), step=tf.constant(0, tf.int64), seed=seed or 0
+            )
         return row_ops.combine(self.weights(row_ops.gramian(rows), context), rows)

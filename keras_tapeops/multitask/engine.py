@@ -106,7 +106,9 @@ class TaskEngine(MultiGradientState):
             boundary = EpochBoundary(self.epochs, model)
             self.metrics[boundary.name] = boundary
         self.shared = None
-        self.representation = None
+        self.representation = (  # layers exist before the model is built
+            option.representation_layer(model, tree) if option.kind == "representation" else None
+        )
         self.jacobian_method = JACOBIAN_METHOD
         self._handover = threading.local()
         self._sums = None
@@ -116,8 +118,6 @@ class TaskEngine(MultiGradientState):
         self.shared = task_resolution.shared_mask(
             self.option, model, variables, tree, self.task_names
         )
-        if self.option.kind == "representation":
-            self.representation = self.option.representation_layer(model, tree)
         self._sums = None  # re-created (lazily) for the new variables
 
     def check_batch(self, model, x, y, sample_weight):
@@ -132,8 +132,6 @@ class TaskEngine(MultiGradientState):
 
     # ----------------------------------------------------------- the pass
     def batch_gradients(self, model, x, y, sample_weight, loss_multiplier=None):
-        variables = list(model.trainable_weights)
-        shared = [on for on in self.shared]
         kind = self.option.kind
         layers = [self.representation] if kind == "representation" else []
         # The factor the stock step multiplies its loss by (a LossScaleOptimizer's
@@ -147,6 +145,10 @@ class TaskEngine(MultiGradientState):
                     )
             values = record.values(self.task_names)
             total = tf.cast(total, tf.float32)
+            variables = list(model.trainable_weights)
+            if self.shared is None or len(self.shared) != len(variables):
+                model.build_tapeops()  # a model built by this forward pass binds now
+            shared = list(self.shared)
             # The backward passes below differentiate `combined` with a
             # cotangent: (c_1..c_K, c_total) gives sum_k c_k L_k + c_total L.
             combined = tf.concat([values, total[tf.newaxis]], axis=0)
