@@ -123,7 +123,7 @@ def test_figures_name_existing_pages_and_examples():
     for figure in gen_figures.FIGURES:
         assert (REPO / "docs" / figure.page).exists(), figure.page
         assert figure.script.exists(), figure.command[0]
-        assert "{out}" in figure.command
+        assert "{out}" in figure.command or "{dir}" in figure.command
 
 
 PNG_WRITER = """
@@ -166,3 +166,23 @@ def test_version_in_one_place():
     assert kt.__version__ == declared
     changelog = (REPO / "CHANGELOG.md").read_text("utf-8")
     assert f"## [{declared}]" in changelog or "## [Unreleased]" in changelog
+
+
+def test_figure_runner_passes_the_folder_to_an_example_that_names_its_png(tmp_path):
+    script = tmp_path / "draw_in.py"
+    script.write_text(PNG_WRITER.replace("sys.argv[1]", "sys.argv[2] + '/fixed.png'"), "utf-8")
+    figure = gen_figures.Figure("sam.md", (str(script), "--out", "{dir}"), "fixed.png", "Fixed.")
+    [png] = gen_figures.generate([figure], out=tmp_path / "figures", log=lambda _: None)
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_full_figures_run_the_examples_without_quick(tmp_path):
+    script = tmp_path / "draw_args.py"
+    script.write_text(PNG_WRITER + "open(sys.argv[1] + '.args', 'w').write(' '.join(sys.argv[2:]))\n",
+                      "utf-8")
+    figure = gen_figures.Figure("sam.md", (str(script), "{out}", "--quick"), "q.png", "Q.")
+    out = tmp_path / "figures"
+    gen_figures.generate([figure], out=out, log=lambda _: None)
+    assert (out / "q.png.args").read_text() == "--quick"
+    gen_figures.generate([figure], out=out, log=lambda _: None, full=True)  # runs again
+    assert (out / "q.png.args").read_text() == ""
