@@ -91,14 +91,14 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         multiplier = tf.cast(size, tf.float32) / n_float
         if not exact:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
-            masked_grads, masked_sizes = [], []
+            masked_grads, masked_sizes, logged = [], [], []
         else:
-            grads, y_pred, masked_grads, masked_sizes = _exact_pass(
+            grads, y_pred, masked_grads, masked_sizes, logged = _exact_pass(
                 model, micro, multiplier, n_float, totals, option, seen
             )
         if stats is not None:
             bn_state = stats.add(bn_state, size)
-        return grads, y_pred, bn_state, masked_grads, masked_sizes
+        return grads, y_pred, bn_state, masked_grads, masked_sizes, logged
 
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
@@ -107,7 +107,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             _spec(groups[0][2](0), batch=True), tf.TensorSpec([], tf.int32),
             _spec(bn_state, batch=False),
         )
-    grads_spec, pred_spec, _, masked_spec, _ = traced.structured_outputs
+    grads_spec, pred_spec, _, masked_spec, _, logged_spec = traced.structured_outputs
     variables = model.trainable_variables
     # One gradient sum for the folded loss, one per masked output.
     present = [
@@ -118,6 +118,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         for spec, on_list in zip([grads_spec] + list(masked_spec), present)
     ]
     sizes = [tf.constant(0.0) for _ in masked_spec]
+    logged = [tf.constant(0.0) for _ in logged_spec]
     flat_pred_spec = tf.nest.flatten(pred_spec)
 
     outputs = []
@@ -130,19 +131,22 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         ]
         start = _after(tf.constant(0), tf.nest.flatten(sums) + tf.nest.flatten(bn_state))
 
-        def body(i, sums, sizes, arrays, bn_state, size_of=size_of, take=take):
-            g, pred, bn_state, masked, masked_sizes = traced(take(i), size_of(i), bn_state)
+        def body(i, sums, sizes, logged, arrays, bn_state, size_of=size_of, take=take):
+            g, pred, bn_state, masked, masked_sizes, shares = traced(
+                take(i), size_of(i), bn_state
+            )
             parts = [g] + list(masked)
             sums = [
                 [s + t for s, t in zip(part_sums, [_dense(t) for t, on in zip(part, on_list) if on])]
                 for part_sums, part, on_list in zip(sums, parts, present)
             ]
             sizes = [a + b for a, b in zip(sizes, masked_sizes)]
+            logged = [a + b for a, b in zip(logged, shares)]
             arrays = [a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))]
-            return i + 1, sums, sizes, arrays, bn_state
+            return i + 1, sums, sizes, logged, arrays, bn_state
 
-        _, sums, sizes, arrays, bn_state = tf.while_loop(
-            lambda i, *_: i < count, body, (start, sums, sizes, arrays, bn_state),
+        _, sums, sizes, logged, arrays, bn_state = tf.while_loop(
+            lambda i, *_: i < count, body, (start, sums, sizes, logged, arrays, bn_state),
             parallel_iterations=1,
         )
         outputs.append([a.concat() for a in arrays])
@@ -155,6 +159,8 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     grads = _combine(sums, sizes, present)
     summary = None
     if exact:
+        if model._tapeops_logging:  # not in SAM's second pass
+            reductions.log_output_losses(model, seen["records"], logged, sizes)
         summary = PassSummary(seen["records"], seen["regularized"], sizes)
     return grads, y_pred, summary
 
@@ -180,13 +186,16 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
     """One micro-batch's pass with every output's share rescaled (see reductions.py).
 
     Returns:
-        `(grads, y_pred, masked_grads, masked_sizes)`: the folded loss's
-        gradients, and for each masked output the gradient of its summed
-        loss and its normalizer in this micro-batch.
+        `(grads, y_pred, masked_grads, masked_sizes, logged)`: the folded
+        loss's gradients; for each masked output the gradient of its summed
+        loss and its normalizer in this micro-batch; and each output's share
+        of its logged loss for the batch (Keras's own per-output logging is
+        muted, so it is logged once per batch, as stock Keras does).
     """
     with tf.GradientTape(persistent=True) as tape:
         with reductions.intercepted(
-            model, lambda r: reductions.folded_value(r, n, totals), option
+            model, lambda r: reductions.folded_value(r, n, totals), option,
+            mute_output_trackers=True,
         ) as records:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
         masked = [r for r in records if r.kind == "masked"]
@@ -198,7 +207,8 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
     del tape
     seen["records"] = list(records)
     seen["regularized"] = bool(model.losses)
-    return grads, y_pred, masked_grads, [r.denominator for r in masked]
+    logged = [reductions.logged_share(r, multiplier, n, totals) for r in records]
+    return grads, y_pred, masked_grads, [r.denominator for r in masked], logged
 
 
 def _combine(sums, sizes, present):

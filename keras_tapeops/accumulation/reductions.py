@@ -228,19 +228,26 @@ def denominator(kind, reduction, size, sample_weight, mask):
 
 
 @contextlib.contextmanager
-def intercepted(model, on_value, option):
+def intercepted(model, on_value, option, mute_output_trackers=False):
     """Routes every compiled output loss through `on_value` while the block is traced.
 
     Args:
         model: the model whose compiled loss is built (`build_compiled_loss`).
         on_value: `Record -> value`: what Keras adds for that output.
         option: `(name, value)` of the accumulation option, for messages.
+        mute_output_trackers: stop Keras from logging each output's loss
+            (the `<output>_loss` trackers of a multi-output model) in the
+            block; the caller logs the batch's values itself
+            (`log_output_losses`). No cross-replica call may happen inside
+            the block: MirroredStrategy's replica threads run one at a time
+            between such calls, so none sees the muted list.
 
     Yields:
         The list the `Record`s are appended to, in call order.
     """
     compile_loss = private.compiled_loss(model)
     original = _flat_losses(compile_loss)
+    trackers = output_trackers(model) if mute_output_trackers else []
     records = []
 
     def recorded(record):
@@ -254,10 +261,55 @@ def intercepted(model, on_value, option):
         for i, entry in enumerate(original)
     ]
     _set_flat_losses(compile_loss, wrapped)
+    if trackers:
+        _set_output_trackers(compile_loss, [None] * len(trackers))
     try:
         yield records
     finally:
         _set_flat_losses(compile_loss, original)
+        if trackers:
+            _set_output_trackers(compile_loss, trackers)
+
+
+def output_trackers(model):
+    """The `Mean` trackers behind the `<output>_loss` logs, in output order (or [])."""
+    return list(private.compiled_loss(model).metrics)
+
+
+def logged_share(record, multiplier, n, totals):
+    """This micro-batch's part of its output's logged loss for the whole batch.
+
+    Summed over the micro-batches: the output's loss on the whole batch (a
+    masked output's sum is divided by its unmasked count at the end).
+    """
+    if record.kind == "masked":
+        return tf.cast(record.value, tf.float32) * record.denominator
+    folded = folded_value(record, n, totals)
+    return tf.cast(multiplier, tf.float32) * tf.cast(folded, tf.float32)
+
+
+def log_output_losses(model, records, sums, masked_sizes):
+    """Logs each output's loss on the whole batch, once, as stock `compute_loss` does.
+
+    Args:
+        model: the model (its `<output>_loss` trackers, multi-output only).
+        records: the outputs' `Record`s (Python fields only).
+        sums: `logged_share` summed over the micro-batches, per record.
+        masked_sizes: the batch's normalizer of each masked record, in order.
+
+    Returns:
+        None.
+    """
+    trackers = output_trackers(model)
+    if not trackers:
+        return
+    sizes = iter(masked_sizes)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    for record, total in zip(records, sums):
+        if record.kind == "masked":
+            total = tf.math.divide_no_nan(total, next(sizes))
+        # Keras logs each output's loss multiplied back by the replicas.
+        trackers[record.index].update_state(total * float(replicas))
 
 
 def flat_losses(model):
@@ -410,6 +462,12 @@ def _unwrapped(loss):
 def _set_flat_losses(compile_loss, entries):
     """Sets `CompileLoss._flat_losses`, the per-output list its `call` iterates."""
     compile_loss._flat_losses = list(entries)
+
+
+def _set_output_trackers(compile_loss, trackers):
+    """Sets `CompileLoss._metrics`, the per-output trackers its `call` updates
+    (`if metric: metric.update_state(...)`, so `None`s mute them)."""
+    compile_loss._metrics = list(trackers)
 
 
 def _keras_mask(tensor):
