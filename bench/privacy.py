@@ -8,10 +8,12 @@ Three models, each trained on in-memory random data with batch size 64:
                -> LayerNormalization -> Dense 128 -> Dense 64 -> LayerNormalization
                -> pool -> Dense 10
 
-and three configurations: `stock` (plain Keras model, no keras_tapeops),
-`auto` (`kt.DPSGD(1.0, 1.0)`: ghost norms where a rule exists) and
-`vectorized` (`kt.DPSGD(1.0, 1.0, method="vectorized")`: per-example
-Jacobians for every layer, TF Privacy's vectorized approach).
+and four configurations: `stock` (plain Keras model, no keras_tapeops),
+`auto` (`kt.DPSGD(1.0, 1.0)`: ghost norms where a rule exists), `auto-clip`
+(the same with `noise_multiplier=0`: the clipping alone, without drawing a
+model-sized Gaussian each step) and `vectorized`
+(`kt.DPSGD(1.0, 1.0, method="vectorized")`: per-example Jacobians for every
+layer, TF Privacy's vectorized approach).
 
   time    median over interleaved rounds of the time of `STEPS` training
           steps (`fit` on `STEPS` batches, traced beforehand), and the
@@ -48,6 +50,7 @@ BATCH = 64
 STEPS = 10
 TIME_TARGETS = {"mlp": 1.3, "cnn": 1.6, "transformer": 1.3}
 MEMORY_TARGET = 1.2
+CONFIGS = ("stock", "auto", "auto-clip", "vectorized")
 
 
 def mlp():
@@ -93,7 +96,9 @@ def build(kind, config):
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     else:
         model = kt.upgrade(model)
-        dp = kt.DPSGD(1.0, 1.0, seed=0, method="auto" if config == "auto" else "vectorized")
+        sigma = 0.0 if config == "auto-clip" else 1.0
+        method = "vectorized" if config == "vectorized" else "auto"
+        dp = kt.DPSGD(1.0, sigma, seed=0, method=method)
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, differential_privacy=dp)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # trace
     return model, x, y
@@ -109,7 +114,7 @@ def allocator_peak(fn):
 
 
 def measure(kind, rounds):
-    built = {config: build(kind, config) for config in ("stock", "auto", "vectorized")}
+    built = {config: build(kind, config) for config in CONFIGS}
     memory = {}
     for config, (model, x, y) in built.items():
         xb, yb = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
@@ -137,7 +142,7 @@ def main():
         methods = sorted({m for _, _, m in report})
         print(f"\n{kind}: per-variable methods (auto): {', '.join(methods)}")
         base = times["stock"]
-        for config in ("stock", "auto", "vectorized"):
+        for config in CONFIGS:
             ratio = statistics.median(t / b for t, b in zip(times[config], base))
             total, step = memory[config]
             memory_ratio = total / memory["stock"][0]
