@@ -10,6 +10,7 @@ from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import SelectionState
 from keras_tapeops.selection.base import fraction_argument
 from keras_tapeops.selection.randomness import StepSeeds
+from keras_tapeops.selection.randomness import seed_argument
 
 SCORES = ("loss", "gradient_bound")
 
@@ -54,7 +55,7 @@ class ImportanceSampling(SelectionOption):
         self.smoothing = validation.non_negative_number(smoothing, "smoothing")
         if self.smoothing > 1.0:
             raise ValueError(f"`smoothing` must be in [0, 1]. Received: smoothing={smoothing!r}")
-        self.seed = None if seed is None else int(validation.finite_number(seed, "seed", minimum=0))
+        self.seed = seed_argument(seed)
 
     def bind(self, model, tree):
         return ImportanceSamplingState(self)

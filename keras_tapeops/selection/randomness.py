@@ -7,6 +7,15 @@ different at every call and on every replica.
 
 import tensorflow as tf
 
+from keras_tapeops import validation
+
+
+def seed_argument(seed):
+    """None, or `seed` as a non-negative int (else ValueError with "Received:")."""
+    if seed is None:
+        return None
+    return int(validation.finite_number(seed, "seed", minimum=0))
+
 
 class StepSeeds:
     """A counter variable turning into a fresh stateless seed per call.

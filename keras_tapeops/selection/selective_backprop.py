@@ -9,6 +9,7 @@ from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import SelectionState
 from keras_tapeops.selection.base import fraction_argument
 from keras_tapeops.selection.randomness import StepSeeds
+from keras_tapeops.selection.randomness import seed_argument
 
 
 @register
@@ -48,9 +49,7 @@ class SelectiveBackprop(SelectionOption):
         self.beta = validation.positive_number(beta, "beta")
         self.history_size = validation.positive_int(history_size, "history_size")
         self.fraction = None if fraction is None else fraction_argument(fraction)
-        self.seed = None if seed is None else validation.finite_number(seed, "seed", minimum=0)
-        if self.seed is not None:
-            self.seed = int(self.seed)
+        self.seed = seed_argument(seed)
 
     @property
     def kept_fraction(self):
