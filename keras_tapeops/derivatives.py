@@ -24,14 +24,14 @@ Two ways to get the same numbers (they agree to float32 rounding):
   of a training step) gets wrong gradients, and eager nested accumulators
   can return wrong values (tensorflow/tensorflow#127753).
 
-`mode="auto"` picks, from the measurements of `bench/pinn.py` (a training
-step: the derivatives differentiated again w.r.t. the weights, tanh network
-of width 20, 1000 and 10000 points, two CPU cores): reverse mode for second
-derivatives (1.2x to 2x faster than forward over reverse at 1, 2 and 3
-inputs), and for first derivatives reverse mode unless the function has
-more outputs than inputs (then forward mode: 4 outputs of 1 input, 2.4x
-faster). The number of outputs is read from a Keras model's
-`compute_output_shape`; for another callable it counts as 1.
+`mode="auto"` picks, from the CPU times of `bench/pinn.py` (4 tanh layers of
+20 units, 1000 and 10000 points, in a training step and alone): reverse mode
+for second derivatives (forward over reverse is 1.1x to 2x slower at 1, 2 and
+3 inputs), and for first derivatives reverse mode unless the function has
+more than twice as many outputs as inputs (4 outputs of 1 input: forward
+mode 1.9x faster in a training step; of 2 inputs: a tie in a training step,
+forward 1.4x slower alone). The number of outputs is read from a Keras
+model's `compute_output_shape`; for another callable it counts as 1.
 
 Both modes can be differentiated again: inside a training step the outer
 `tf.GradientTape` (w.r.t. the weights) records the derivative computation.
@@ -63,7 +63,7 @@ def input_derivatives(fn, x, order=1, mode="auto", mixed=None, diagonal=None):
             `"reverse"` (`tf.GradientTape`): same values, different cost;
             `"auto"` picks the one measured cheaper (module docstring):
             reverse, or forward for first derivatives of a Keras model
-            with more outputs than inputs.
+            with more than twice as many outputs as inputs.
         mixed: None, or (with `order=2`) a list of index pairs `(i, j)`:
             also return the mixed second derivatives `d2 y_o / dx_i dx_j`.
         diagonal: None (every coordinate), or (with `order=2`) the list of
@@ -131,7 +131,7 @@ def resolve_mode(mode, order, n_in, n_out=1):
     """
     if mode != "auto":
         return mode
-    if order == 1 and n_out > n_in:
+    if order == 1 and n_out > 2 * n_in:
         return "forward"
     return "reverse"
 
