@@ -42,6 +42,16 @@ def test_top_loss_fraction_one_equals_stock_fit():
     np.testing.assert_allclose(h_stock.history["loss"], h_ours.history["loss"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("compile_options", [{"jit_compile": True}, {"steps_per_execution": 2}],
+                         ids=["jit_compile", "steps_per_execution"])
+def test_top_loss_with_xla_and_steps_per_execution(compile_options):
+    x, y = data()
+    ours = tiny_model()
+    _fit(ours, x, y, sample_selection=kt.TopLoss(fraction=0.25), **compile_options)
+    oracle = select_then_step(tiny_model(), x, y, batch=8, fraction=0.25, lr=0.1)
+    _close(ours, oracle)
+
+
 def test_top_loss_with_micro_batches_selects_per_micro_batch():
     x, y = data()
     ours = tiny_model()

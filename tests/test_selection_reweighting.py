@@ -26,22 +26,22 @@ def _close(a, b, tol=1e-6):
 
 
 def _weighted_oracle(x, y, weight_fn):
-    """SGD where each batch's mean loss weights example i by weight_fn(losses)[i]."""
+    """SGD where batch t's mean loss weights example i by weight_fn(losses, t)[i]."""
     model = tiny_model()
     variables = model.trainable_weights
 
     @tf.function
-    def step(xb, yb):
+    def step(xb, yb, t):
         losses = tf.reduce_mean(tf.square(model(xb, training=False) - yb), axis=1)
-        weights = weight_fn(losses)
+        weights = weight_fn(losses, t)
         with tf.GradientTape() as tape:
             per = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=1)
             loss = tf.reduce_mean(weights * per)
         for v, g in zip(variables, tape.gradient(loss, variables)):
             v.assign_sub(0.1 * g)
 
-    for start in (0, 8):
-        step(tf.constant(x[start:start + 8]), tf.constant(y[start:start + 8]))
+    for t, start in enumerate((0, 8)):
+        step(tf.constant(x[start:start + 8]), tf.constant(y[start:start + 8]), tf.constant(t, "float32"))
     return model
 
 
@@ -49,13 +49,26 @@ def test_self_paced_trains_on_losses_below_the_threshold():
     x, y = data()
     ours = tiny_model()
     history = _fit(ours, x, y, sample_selection=kt.SelfPaced(threshold_schedule=1.0))
-    oracle = _weighted_oracle(x, y, lambda l: tf.cast(l < 1.0, "float32"))
+    oracle = _weighted_oracle(x, y, lambda l, t: tf.cast(l < 1.0, "float32"))
     _close(ours, oracle)
     assert 0.0 < history.history["selection_fraction"][0] < 1.0
     # Companion: the stock step (every weight 1) ends elsewhere.
     stock = tiny_model()
     _fit(stock, x, y)
     assert not np.allclose(stock.get_weights()[0], oracle.get_weights()[0], atol=1e-4)
+
+
+def test_self_paced_threshold_schedule_of_the_optimizer_step():
+    x, y = data()
+    ours = tiny_model()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=2.0)
+    history = _fit(ours, x, y, sample_selection=kt.SelfPaced(threshold_schedule=schedule))
+    oracle = _weighted_oracle(x, y, lambda l, t: tf.cast(l < 0.5 * 2.0 ** t, "float32"))
+    _close(ours, oracle)
+    # Companion: the constant first threshold keeps fewer examples at step 2.
+    fixed = _weighted_oracle(x, y, lambda l, t: tf.cast(l < 0.5, "float32"))
+    assert not np.allclose(fixed.get_weights()[0], oracle.get_weights()[0], atol=1e-4)
+    assert 0.0 < history.history["selection_fraction"][0] < 1.0
 
 
 def test_super_loss_confidence_is_the_closed_form_minimizer():
@@ -77,7 +90,7 @@ def test_super_loss_fit_weights_examples_by_confidence():
     x, y = data()
     ours = tiny_model()
     _fit(ours, x, y, sample_selection=kt.SuperLoss(lam=0.5, tau=1.0))
-    oracle = _weighted_oracle(x, y, lambda l: tf.stop_gradient(confidence(l, 1.0, 0.5)))
+    oracle = _weighted_oracle(x, y, lambda l, t: tf.stop_gradient(confidence(l, 1.0, 0.5)))
     _close(ours, oracle, tol=1e-5)
 
 

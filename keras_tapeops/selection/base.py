@@ -147,9 +147,14 @@ class SelectionState(MultiGradientState):
             share = tf.reduce_sum(weights) / tf.cast(tf.maximum(n, 1), "float32")
         else:
             share = tf.cast(k, "float32") / tf.cast(tf.maximum(n, 1), "float32")
+        kept_loss = tf.reduce_mean(kept_losses)
+        if weights is not None:  # the weighted mean: what the weights keep
+            kept_loss = tf.math.divide_no_nan(
+                tf.reduce_sum(weights * kept_losses), tf.reduce_sum(weights)
+            )
         self.metrics["selection_fraction"].update_state(share)
         self.metrics["selection_batch_loss"].update_state(tf.reduce_mean(losses))
-        self.metrics["selection_kept_loss"].update_state(tf.reduce_mean(kept_losses))
+        self.metrics["selection_kept_loss"].update_state(kept_loss)
 
 
 def _times(sample_weight, weights):
