@@ -133,3 +133,18 @@ def test_save_and_load_keeps_the_option_and_the_fraction(tmp_path):
     loaded = keras.models.load_model(path)
     assert loaded.tapeops_options.sample_selection.fraction == 0.5
     assert loaded.tapeops_state.engine.schedule_variable.numpy() == pytest.approx(0.75)
+
+
+def test_two_replicas_stochastic_selection_state(mirrored):
+    """Each replica draws its own k; the loss history keeps the first replica's losses."""
+    x, y = data()
+    with mirrored.scope():
+        model = tiny_model()
+    initial = tiny_model()
+    history = _fit(model, x, y, strategy=mirrored,
+                   sample_selection=kt.SelectiveBackprop(beta=1.0, history_size=32, seed=0))
+    engine = model.tapeops_state.engine
+    assert history.history["selection_fraction"] == [pytest.approx(0.5)]
+    assert engine.seen.numpy() == 8  # 2 steps x 4 examples of replica 0
+    first = np.mean((initial.predict(x[:4], verbose=0) - y[:4]) ** 2, axis=1)
+    np.testing.assert_allclose(engine.history.numpy()[:4], first, rtol=1e-5)
