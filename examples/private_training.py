@@ -27,7 +27,7 @@ import keras_tapeops as kt  # noqa: E402
 
 DELTA = 1e-5
 TARGETS = (1.0, 3.0, 8.0)
-EXPECTED_BATCH = 64
+EXPECTED_BATCH = 128
 CLIP = 1.0
 
 
@@ -78,7 +78,8 @@ def seconds_per_epoch(timer):
     return float(np.mean(later))
 
 
-def train(initial, data, test, epochs, dp=None, sampling_rate=None, seed=0, accountant="pld"):
+def train(initial, data, test, epochs, dp=None, sampling_rate=None, seed=0, accountant="pld",
+          batch_size=EXPECTED_BATCH):
     (x, y), (x_test, y_test) = data, test
     model = make_model()
     model.set_weights(initial)
@@ -88,10 +89,10 @@ def train(initial, data, test, epochs, dp=None, sampling_rate=None, seed=0, acco
     if dp is None:
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss,
                       metrics=["accuracy"])
-        model.fit(x, y, batch_size=EXPECTED_BATCH, epochs=epochs, callbacks=callbacks, verbose=0)
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks, verbose=0)
         epsilon = float("inf")
     else:
-        model.compile(optimizer=keras.optimizers.SGD(1.0, momentum=0.9), loss=loss,
+        model.compile(optimizer=keras.optimizers.SGD(1.0, momentum=0.5), loss=loss,
                       metrics=["accuracy"], differential_privacy=dp)
         budget = kt.callbacks.PrivacyBudget(
             len(x), delta=DELTA, sampling_rate=sampling_rate, accountant=accountant
@@ -120,6 +121,8 @@ def plot(rows, path):
     for r in public:
         ax.axhline(r["accuracy"], color="gray", linestyle="--", label="non-private")
     ax.set_xscale("log")
+    ax.set_xticks(list(TARGETS), [f"{t:g}" for t in TARGETS])
+    ax.minorticks_off()
     ax.set_xlabel(f"epsilon (delta = {DELTA:g})")
     ax.set_ylabel("test accuracy")
     ax.set_title("Small CNN on digits")
@@ -135,7 +138,8 @@ def main():
     parser.add_argument("--out", default="private_training.png", help="PNG path")
     args = parser.parse_args()
     logging.set_verbosity(logging.ERROR)
-    epochs = 2 if args.quick else 25
+    epochs = 2 if args.quick else 20
+    batch = 64 if args.quick else EXPECTED_BATCH
     accountant = "rdp" if args.quick else "pld"
 
     train_data, test_data, source = load_data()
@@ -144,10 +148,10 @@ def main():
     keras.utils.set_random_seed(0)
     initial = make_model().get_weights()
     n = len(train_data[0])
-    rate = EXPECTED_BATCH / n
+    rate = batch / n
     steps = epochs * max(1, round(1 / rate))
     print(f"data: {source}, {n} training and {len(test_data[0])} test images; "
-          f"Poisson sampling rate {rate:.4f} (expected batch {EXPECTED_BATCH}), "
+          f"Poisson sampling rate {rate:.4f} (expected batch {batch}), "
           f"{steps} steps, clip {CLIP}")
 
     rows = []
@@ -155,10 +159,11 @@ def main():
         sigma = kt.privacy.noise_multiplier_for(target, steps, rate, delta=DELTA, accountant="rdp")
         dp = kt.DPSGD(l2_norm_clip=CLIP, noise_multiplier=sigma)
         accuracy, epsilon, seconds = train(
-            initial, train_data, test_data, epochs, dp, rate, accountant=accountant
+            initial, train_data, test_data, epochs, dp, rate, accountant=accountant,
+            batch_size=batch,
         )
         rows.append(dict(target=target, sigma=sigma, epsilon=epsilon, accuracy=accuracy, seconds=seconds))
-    accuracy, epsilon, seconds = train(initial, train_data, test_data, epochs)
+    accuracy, epsilon, seconds = train(initial, train_data, test_data, epochs, batch_size=batch)
     rows.append(dict(target=float("inf"), sigma=0.0, epsilon=epsilon, accuracy=accuracy, seconds=seconds))
 
     print(f"{'target eps':>10} {'sigma':>7} {'spent eps (' + accountant.upper() + ')':>16} "
