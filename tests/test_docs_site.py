@@ -36,16 +36,19 @@ def build(site, config=REPO / "mkdocs.yml", figures_dir=None):
     )
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs")
-    # An empty figures directory: the build must not depend on a previous `make docs`.
-    result = build(root / "site", figures_dir=root / "no-figures")
+def test_site_builds_in_strict_mode_with_every_page_and_symbol(tmp_path):
+    # One build (about 7 s), checked by the functions below; an empty figures
+    # directory: the build must not depend on a previous `make docs`.
+    result = build(tmp_path / "site", figures_dir=tmp_path / "no-figures")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root / "site"
+    site = tmp_path / "site"
+    check_every_docs_page_is_built_and_in_the_navigation(site)
+    check_readme_is_the_home_page(site)
+    check_api_reference_names_every_public_symbol(site)
+    check_fence_options_are_not_rendered(site)
 
 
-def test_every_docs_page_is_built_and_in_the_navigation(site):
+def check_every_docs_page_is_built_and_in_the_navigation(site):
     home = (site / "index.html").read_text("utf-8")
     pages = sorted((REPO / "docs").glob("*.md"))
     assert len(pages) >= 10
@@ -56,7 +59,7 @@ def test_every_docs_page_is_built_and_in_the_navigation(site):
     assert 'href="api/index.html"' in home
 
 
-def test_readme_is_the_home_page(site):
+def check_readme_is_the_home_page(site):
     home = (site / "index.html").read_text("utf-8")
     assert "Quick start: upgrade an existing model" in home
     # README's links into docs/ point at the site's pages.
@@ -64,7 +67,7 @@ def test_readme_is_the_home_page(site):
     assert 'href="docs/' not in home
 
 
-def test_api_reference_names_every_public_symbol(site):
+def check_api_reference_names_every_public_symbol(site):
     import keras_tapeops as kt
 
     symbols = dict(gen_api.public_symbols())
@@ -86,7 +89,7 @@ def text_of(html):
     return html_module.unescape(re.sub(r"<[^>]+>", "", html))
 
 
-def test_fence_options_are_not_rendered(site):
+def check_fence_options_are_not_rendered(site):
     # `python continuation` / `python notest` fences render as highlighted code.
     for name in ("second_order", "distributed"):
         markdown = (REPO / "docs" / f"{name}.md").read_text("utf-8")
