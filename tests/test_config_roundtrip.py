@@ -50,6 +50,12 @@ CONFIG_CLASSES = [
     kt.ClipByNorm, kt.ClipByGlobalNorm, kt.WGANGP, kt.TapeOpsSequential,
     kt.TapeOpsFunctional, kt.SkipNonFinite, kt.LogGradientNorm, kt.SAM,
     kt.AdaptiveClip, kt.CentralizeGradients, kt.LogUpdateRatio,
+    # Third round: each has its behavioural round trip in its own test file.
+    kt.AdversarialLoss, kt.TRADES, kt.DPSGD, kt.MetaLearner, kt.PDEResidual,
+    kt.ConditionLoss, kt.PCGrad, kt.MGDA, kt.CAGrad, kt.IMTLG, kt.AlignedMTL,
+    kt.UPGrad, kt.UncertaintyWeighting, kt.DWA, kt.GradNorm, kt.FAMO,
+    kt.MeasureConflict, kt.TopLoss, kt.ReducibleLoss, kt.SelectiveBackprop,
+    kt.ImportanceSampling, kt.SelfPaced, kt.SuperLoss,
 ]
 
 
