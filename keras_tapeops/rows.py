@@ -113,3 +113,41 @@ def sum_over_replicas_if(condition, tensor):
         )
 
     return context.merge_call(cross_replica, args=(condition, tensor))
+
+
+def task_rows(tape, objectives, variables, method="loop"):
+    """The rows of a list of scalar objectives (one per task), as one `[K, P]` matrix.
+
+    Unlike `jacobian_rows` on their stacked vector, the `"loop"` method
+    differentiates each scalar on its own (`tape.gradient(objectives[k], ...)`),
+    so each backward pass runs only through the part of the graph that task
+    depends on (its head and the shared layers), not through every head with
+    a zero cotangent.
+
+    Args:
+        tape: the persistent `tf.GradientTape` that recorded `objectives`.
+        objectives: a list of K scalar tensors.
+        variables: the variables (or watched tensors) to differentiate by.
+        method: `"loop"` (one backward pass per objective) or `"pfor"` (one
+            vectorized Jacobian of their stack).
+
+    Returns:
+        A `[K, P]` float32 tensor (zeros where an objective does not reach).
+
+    Example:
+    ```python
+    rows = task_rows(tape, [loss_a, loss_b], shared_variables)
+    ```
+    """
+    if method != "loop":
+        return jacobian_rows(tape, tf.stack(objectives), variables, method)
+    rows = []
+    for objective in objectives:
+        grads = tape.gradient(
+            objective, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        rows.append(tf.concat(
+            [tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), [-1]) for g in grads],
+            axis=0,
+        ))
+    return tf.stack(rows)

@@ -46,7 +46,7 @@ def cagrad_weights(gramian, c, rescale=1):
     pulled = tf.linalg.matvec(g, mean)  # G b, b = 1/K
     sqrt_phi = c * tf.sqrt(tf.maximum(tf.reduce_sum(pulled * mean), 0.0))
     masks = gram.subsets(k)
-    inverse = tf.linalg.pinv(gram.masked_blocks(g, masks))
+    inverse = gram.symmetric_pinv(gram.masked_blocks(g, masks))
     v = tf.linalg.matvec(inverse, masks)
     u = tf.linalg.matvec(inverse, masks * pulled[tf.newaxis])
     a = tf.reduce_sum(v, axis=1, keepdims=True)

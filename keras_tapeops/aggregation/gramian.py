@@ -40,10 +40,31 @@ def eigh_ascending(gramian):
 
 def psd_pinv(gramian, rcond=RCOND):
     """Pseudo-inverse of a positive semi-definite `G` (eigenvalues <= rcond x max dropped)."""
-    values, vectors = eigh_ascending(gramian)
-    kept = values > rcond * tf.reduce_max(values)
+    return symmetric_pinv(gramian, rcond)
+
+
+def symmetric_pinv(matrices, rcond=None):
+    """Pseudo-inverses of symmetric (possibly indefinite) matrices, batched.
+
+    One eigendecomposition each (cheaper than `tf.linalg.pinv`'s SVD, same
+    result for symmetric input); eigenvalues with `|lambda| <= rcond x max|lambda|`
+    are dropped (`rcond` defaults to `tf.linalg.pinv`'s `10 x size x eps`).
+
+    Args:
+        matrices: `[..., n, n]` symmetric float32.
+        rcond: relative cutoff, or None.
+
+    Returns:
+        `[..., n, n]` float32.
+    """
+    n = int(matrices.shape[-1])
+    if rcond is None:
+        rcond = 10.0 * n * float(np.finfo(np.float32).eps)
+    values, vectors = tf.linalg.eigh(0.5 * (matrices + tf.linalg.matrix_transpose(matrices)))
+    limit = rcond * tf.reduce_max(tf.abs(values), axis=-1, keepdims=True)
+    kept = tf.abs(values) > limit
     inverse = tf.where(kept, 1.0 / tf.where(kept, values, 1.0), 0.0)
-    return tf.matmul(vectors * inverse[tf.newaxis, :], vectors, transpose_b=True)
+    return tf.matmul(vectors * inverse[..., tf.newaxis, :], vectors, transpose_b=True)
 
 
 def row_norms(gramian):

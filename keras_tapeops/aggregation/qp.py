@@ -11,8 +11,8 @@ is the optimum up to float32 round-off, with no iteration count and no
 tolerance to tune. The cost is `2^K` solves of size <= K + 1, which is why
 these aggregators accept at most `MAX_TASKS` tasks.
 
-No host round trip: everything is TF ops on float32 tensors (XLA-compatible
-except for `tf.linalg.pinv`'s SVD on some backends).
+No host round trip: everything is TF ops on float32 tensors (batched
+eigendecompositions and Cholesky solves; XLA-compatible).
 """
 
 import tensorflow as tf
@@ -28,7 +28,7 @@ def min_norm_weights(gramian):
 
     Solves `min_a a^T G a` subject to `a >= 0`, `sum(a) = 1`. For each
     support `S` the candidate solves the KKT system
-    `[[G_SS, 1], [1^T, 0]] [a_S; -nu] = [0; 1]` (a pseudo-inverse, so
+    `[[G_SS, 1], [1^T, 0]] [a_S; -nu] = [0; 1]` (with a pseudo-inverse, so
     duplicate or collinear rows do not break it).
 
     Args:
@@ -51,7 +51,7 @@ def min_norm_weights(gramian):
     bottom = tf.concat([masks[:, tf.newaxis, :], tf.zeros([n, 1, 1])], axis=2)
     bordered = tf.concat([top, bottom], axis=1)
     rhs = tf.one_hot(k, k + 1)
-    solution = tf.linalg.matvec(tf.linalg.pinv(bordered), rhs)
+    solution = tf.linalg.matvec(gram.symmetric_pinv(bordered), rhs)
     candidates = gram.onto_simplex_cheaply(solution[:, :k])
     best = gram.argmin_rows(candidates, gram.quadratic(candidates, g))
     uniform = tf.fill([k], 1.0 / k)

@@ -143,7 +143,8 @@ class TaskEngine(MultiGradientState):
                     total, y_pred = model.compute_total_loss(
                         x, y, sample_weight, training=True
                     )
-            values = record.values(self.task_names)
+            value_list = record.value_list(self.task_names)
+            values = tf.stack(value_list)
             total = tf.cast(total, tf.float32)
             variables = list(model.trainable_weights)
             if self.shared is None or len(self.shared) != len(variables):
@@ -153,12 +154,11 @@ class TaskEngine(MultiGradientState):
             # cotangent: (c_1..c_K, c_total) gives sum_k c_k L_k + c_total L.
             combined = tf.concat([values, total[tf.newaxis]], axis=0)
             s = tf.cast(scale, tf.float32) if scale is not None else tf.constant(1.0)
-            targets = None
+            targets = None  # the scalars whose rows are taken (loss-scaled)
             if kind in ("rows", "conflict", "representation"):
-                parts = [values]
+                targets = [v * s for v in value_list]
                 if kind == "rows" and self._has_rest(model, record):
-                    parts.append((total - tf.reduce_sum(values))[tf.newaxis])
-                targets = tf.concat(parts, axis=0) * s
+                    targets.append((total - tf.add_n(value_list)) * s)
         n = tf.cast(_batch_size(x), tf.float32)
         m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
         pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
@@ -339,7 +339,7 @@ class _Pass:
             tf.stop_gradient(weights) - 1.0 if weights is not None else tf.zeros([self.k])
         )
         other_grads = self._gradient(others, coefficients)
-        jac = row_ops.jacobian_rows(self.tape, self.targets, shared, engine.jacobian_method)
+        jac = row_ops.task_rows(self.tape, self.targets, shared, engine.jacobian_method)
         task_rows = jac[: self.k] / self.scale
         if jac.shape[0] > self.k:  # the rest of the loss: its ordinary gradient
             shared_grads = row_ops.split_like(jac[self.k] * self.multiplier, shared)
@@ -356,7 +356,7 @@ class _Pass:
         grads = self._gradient(self.variables, tf.zeros([self.k]))
 
         def measure():
-            jac = row_ops.jacobian_rows(self.tape, self.targets, shared, engine.jacobian_method)
+            jac = row_ops.task_rows(self.tape, self.targets, shared, engine.jacobian_method)
             return jac / self.scale
 
         rows = tf.cond(measured, measure, lambda: tf.zeros([self.k, size]))
@@ -369,7 +369,7 @@ class _Pass:
         engine = self.engine
         shared, others = self._by_group()
         outputs = [t for ts in self._captured() for t in ts]
-        z_rows = row_ops.jacobian_rows(self.tape, self.targets, outputs, engine.jacobian_method)
+        z_rows = row_ops.task_rows(self.tape, self.targets, outputs, engine.jacobian_method)
         z_rows = z_rows / self.scale
         packed = tf.concat([tf.reshape(row_ops.gramian(z_rows), [-1]), self.values], axis=0)
         packed = true_gradients.sum_over_replicas([packed])[0][0]

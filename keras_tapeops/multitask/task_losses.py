@@ -36,6 +36,10 @@ class TaskLossRecord:
             A `[K]` float32 tensor. Raises ValueError naming the outputs with
             a loss when a task has none.
         """
+        return tf.stack(self.value_list(task_names))
+
+    def value_list(self, task_names):
+        """`values(task_names)` as a list of K scalars (each differentiable on its own)."""
         found = {}
         for name, value, weight in self._records:
             value = tf.cast(tf.cast(value, private.loss_dtype(self._loss)), tf.float32)
@@ -50,7 +54,7 @@ class TaskLossRecord:
                 f"a loss are {sorted(found)}. Pass tasks=[...] naming outputs "
                 f"with a loss. Received: tasks={list(task_names)}"
             )
-        return tf.stack([found[t] for t in task_names])
+        return [found[t] for t in task_names]
 
 
 @contextlib.contextmanager
