@@ -359,8 +359,14 @@ class MetaLearner(keras.Model):
 
         Example:
         ```python
+        net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(16, activation="tanh"),
+                                keras.layers.Dense(1)])
+        meta = kt.MetaLearner(net, inner_learning_rate=0.01)
+        meta.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        support_x = query_x = np.linspace(-5, 5, 10, dtype="float32")[:, None]
+        support_y = np.sin(support_x)
         adapted = meta.adapt(support_x, support_y, steps=10)
-        query_pred = adapted.predict(query_x)
+        query_pred = adapted.predict(query_x, verbose=0)
         ```
         """
         weights = self.adapted_weights(support_x, support_y, steps)
