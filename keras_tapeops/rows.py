@@ -116,20 +116,21 @@ def sum_over_replicas_if(condition, tensor):
 
 
 def task_rows(tape, objectives, variables, method="loop"):
-    """The rows of a list of scalar objectives (one per task), as one `[K, P]` matrix.
+    """The rows of the tasks' objectives, as one `[K, P]` float32 matrix.
 
-    Unlike `jacobian_rows` on their stacked vector, the `"loop"` method
-    differentiates each scalar on its own (`tape.gradient(objectives[k], ...)`),
-    so each backward pass runs only through the part of the graph that task
-    depends on (its head and the shared layers), not through every head with
-    a zero cotangent.
+    With `method="loop"` and a list of scalars, each scalar is differentiated
+    on its own (`tape.gradient(objectives[k], ...)`), so each backward pass
+    runs only through the part of the graph that task depends on (its head
+    and the shared layers), not through every head with a zero cotangent as
+    a one-hot cotangent on their stack would. With `method="pfor"` pass their
+    stack, built inside the tape (`jacobian_rows`).
 
     Args:
         tape: the persistent `tf.GradientTape` that recorded `objectives`.
-        objectives: a list of K scalar tensors.
+        objectives: a list of K scalar tensors ("loop"), or a `[K]` tensor
+            recorded by the tape.
         variables: the variables (or watched tensors) to differentiate by.
-        method: `"loop"` (one backward pass per objective) or `"pfor"` (one
-            vectorized Jacobian of their stack).
+        method: `"loop"` or `"pfor"`.
 
     Returns:
         A `[K, P]` float32 tensor (zeros where an objective does not reach).
@@ -139,8 +140,13 @@ def task_rows(tape, objectives, variables, method="loop"):
     rows = task_rows(tape, [loss_a, loss_b], shared_variables)
     ```
     """
+    if not isinstance(objectives, (list, tuple)):
+        return jacobian_rows(tape, objectives, variables, method)
     if method != "loop":
-        return jacobian_rows(tape, tf.stack(objectives), variables, method)
+        raise ValueError(
+            "`task_rows` with method='pfor' needs the objectives stacked inside the "
+            f"tape. Received: method={method!r} with a list of objectives"
+        )
     rows = []
     for objective in objectives:
         grads = tape.gradient(

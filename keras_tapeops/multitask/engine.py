@@ -159,6 +159,8 @@ class TaskEngine(MultiGradientState):
                 targets = [v * s for v in value_list]
                 if kind == "rows" and self._has_rest(model, record):
                     targets.append((total - tf.add_n(value_list)) * s)
+                if self.jacobian_method != "loop":
+                    targets = tf.stack(targets)  # pfor needs the stack on the tape
         n = tf.cast(_batch_size(x), tf.float32)
         m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
         pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
