@@ -196,6 +196,7 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
         with reductions.intercepted(
             model, lambda r: reductions.folded_value(r, n, totals), option,
             mute_output_trackers=True,
+            on_other=lambda r: reductions.folded_other(r, n, totals),
         ) as records:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
         masked = [r for r in records if r.kind == "masked"]

@@ -228,13 +228,19 @@ def denominator(kind, reduction, size, sample_weight, mask):
 
 
 @contextlib.contextmanager
-def intercepted(model, on_value, option, mute_output_trackers=False):
+def intercepted(model, on_value, option, mute_output_trackers=False, on_other=None):
     """Routes every compiled output loss through `on_value` while the block is traced.
+
+    The model's own loss is the first call of each output's loss in the
+    block's graph; later calls (an adversarial term's loss at the attacked
+    inputs, an attack's loop) are not recorded and go through `on_other`.
 
     Args:
         model: the model whose compiled loss is built (`build_compiled_loss`).
         on_value: `Record -> value`: what Keras adds for that output.
         option: `(name, value)` of the accumulation option, for messages.
+        on_other: `Record -> value` for the other calls (default: Keras's
+            own value).
         mute_output_trackers: stop Keras from logging each output's loss
             (the `<output>_loss` trackers of a multi-output model) in the
             block; the caller logs the batch's values itself
@@ -249,10 +255,15 @@ def intercepted(model, on_value, option, mute_output_trackers=False):
     original = _flat_losses(compile_loss)
     trackers = output_trackers(model) if mute_output_trackers else []
     records = []
+    home = tf.compat.v1.get_default_graph()
+    on_other = on_other or (lambda record: record.value)
 
     def recorded(record):
-        records.append(record)
-        return on_value(record)
+        first = record.index not in {r.index for r in records}
+        if first and tf.compat.v1.get_default_graph() is home:
+            records.append(record)
+            return on_value(record)
+        return on_other(record)
 
     wrapped = [
         entry._replace(loss=ReducedLoss(
@@ -274,6 +285,19 @@ def intercepted(model, on_value, option, mute_output_trackers=False):
 def output_trackers(model):
     """The `Mean` trackers behind the `<output>_loss` logs, in output order (or [])."""
     return list(private.compiled_loss(model).metrics)
+
+
+def folded_other(record, n, totals):
+    """`folded_value` for a later call of an output's loss in a micro-batch pass.
+
+    A loss term built on the compiled loss (e.g. at adversarial inputs) then
+    shares the output's exact weighting; a masked output's value is left as
+    Keras computes it (weighted like a per-sample mean), so gradients through
+    it (an attack's) are kept.
+    """
+    if record.kind == "masked":
+        return record.value
+    return folded_value(record, n, totals)
 
 
 def logged_share(record, multiplier, n, totals):
