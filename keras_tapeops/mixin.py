@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras_tapeops import _keras_private as private
 from keras_tapeops import accumulation
 from keras_tapeops import capture
+from keras_tapeops import groups
 from keras_tapeops import sam
 from keras_tapeops import step_gate
 from keras_tapeops import true_gradients
@@ -107,6 +108,10 @@ class TapeOpsMixin:
         )
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         check_optimizer_conflicts(optimizer, options)
+        groups.check_reused_optimizer(self, optimizer)
+        accumulation.check_compile_loss(
+            options, kwargs.get("loss", args[1] if len(args) > 1 else None)
+        )
         # Resolve everything against this model before touching the previous
         # compilation: a bad option leaves the model as it was.
         state = ModelState(self, options)
@@ -249,16 +254,20 @@ class TapeOpsMixin:
         with self._evaluating():
             return super().test_on_batch(*args, **kwargs)
 
-    @contextlib.contextmanager
     def _evaluating(self):
         # A plain attribute set around evaluation (traced test steps read it
         # at trace time; the test function is only traced in evaluation).
-        previous = self._tapeops_evaluating
-        object.__setattr__(self, "_tapeops_evaluating", True)
+        return self._flag_set("_tapeops_evaluating", True)
+
+    @contextlib.contextmanager
+    def _flag_set(self, name, value):
+        """Sets the plain attribute `name` to `value` inside the block."""
+        previous = getattr(self, name)
+        object.__setattr__(self, name, value)  # not tracked by Keras
         try:
             yield
         finally:
-            object.__setattr__(self, "_tapeops_evaluating", previous)
+            object.__setattr__(self, name, previous)
 
     # ---------------------------------------------------------------- building
     def fit(self, *args, **kwargs):
@@ -402,6 +411,8 @@ class TapeOpsMixin:
         options = self.tapeops_options
 
         def gradient_pass():
+            if options is not None and options.accumulation_steps > 1:
+                return accumulation.window_gradients(self, x, y, sample_weight)
             if options is not None and options.micro_batches > 1:
                 return accumulation.micro_batch_gradients(
                     self, x, y, sample_weight, options.micro_batches
@@ -415,19 +426,13 @@ class TapeOpsMixin:
             )
         return gradient_pass()
 
-    @contextlib.contextmanager
     def tapeops_unlogged(self):
         """Forward passes traced inside this block update no loss or term tracker.
 
         Used for SAM's second pass: the step logs the loss at the weights,
         not at the perturbed point.
         """
-        previous = self._tapeops_logging
-        object.__setattr__(self, "_tapeops_logging", False)
-        try:
-            yield
-        finally:
-            object.__setattr__(self, "_tapeops_logging", previous)
+        return self._flag_set("_tapeops_logging", False)
 
     def batch_gradients(self, x, y, sample_weight, loss_multiplier=None):
         """One (micro-)batch's gradient pass: returns `(gradients, y_pred)`.
