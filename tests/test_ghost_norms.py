@@ -72,10 +72,10 @@ def test_dense_two_dimensional_inputs(rng):
 
 
 def test_dense_sequence_inputs_ghost_or_materialized(rng):
-    # T=3 positions: 3 * (16 + 16) < 16 * 16 -> Gramians; 3 * (16 + 2) > 16 * 2 -> per example.
-    model = _compiled([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)], (3, 16))
+    # T=3 positions: 2 * 3^2 < 16 * 16 -> Gramians; 2 * 3^2 >= 16 * 1 -> per example.
+    model = _compiled([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)], (3, 16))
     x = rng.normal(size=(4, 3, 16)).astype("float32")
-    y = rng.normal(size=(4, 3, 2)).astype("float32")
+    y = rng.normal(size=(4, 3, 1)).astype("float32")
     _check(model, x, y, {("dense", "kernel"): "Dense: ghost", ("dense_1", "kernel"): "Dense: per-example"})
 
 
@@ -100,7 +100,7 @@ def test_einsum_dense_layouts(rng):
     model = _compiled(layers, (3, 4))
     x = rng.normal(size=(4, 3, 4)).astype("float32")
     y = rng.normal(size=(4, 3)).astype("float32")
-    # e1: T=3 positions, P=4, O=4: 3 * 8 > 16 -> per example; e4: one position -> ghost.
+    # e1: T=3 positions, P=4, O=4: 2 * 9 >= 16 -> per example; e4: one position -> ghost.
     _check(model, x, y, {("e1", "kernel"): "EinsumDense: per-example", ("e4", "kernel"): "EinsumDense: ghost"})
 
 
@@ -146,7 +146,7 @@ def test_conv2d_mixed_ghost_clipping(rng):
     model.compile(optimizer="sgd", loss="mse", differential_privacy=kt.DPSGD(1.0, 0.0, seed=0))
     x = rng.normal(size=(3, 7, 6, 2)).astype("float32")
     y = rng.normal(size=(3, 2)).astype("float32")
-    # valid: T=25 positions, P=12, O=2 -> per example; wide: T=4, P=12, O=32 -> ghost.
+    # valid: T=25 positions, P=12, O=2 -> per example; wide: T=4, P=12, O=32 -> ghost (32 < 384).
     _check(model, x, y, {("valid", "kernel"): "Conv: per-example", ("wide", "kernel"): "Conv: ghost"})
 
 

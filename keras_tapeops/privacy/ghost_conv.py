@@ -5,8 +5,8 @@ patches (`[T, k_h * k_w * C_in]`, T output positions, as
 `tf.image.extract_patches` lays them out: the kernel's own order) and `G` its
 output gradients (`[T, C_out]`), the kernel gradient is `A^T G`. The norm is
 then the Dense rule's (`ghost_dense.matmul_parts`): ghost Gramians (`T x T`)
-when `T (P + O) < P O`, else the per-example gradients, chosen per layer from
-its shapes (mixed ghost clipping, Bu et al. 2022). The clipped sum is one
+when `2 T^2 < P O`, else the per-example gradients, chosen per layer from its
+shapes (mixed ghost clipping, Bu et al. 2022). The clipped sum is one
 matmul over the patches with the clip-weighted output gradients.
 
 `padding="causal"` (Conv1D) pads on the left as Keras does; channels-first

@@ -6,9 +6,9 @@ and output gradients `G` (`[T, O]`), the kernel's gradient is `A^T G` and
     ||A^T G||_F^2 = <A A^T, G G^T>          (the "ghost" norm: T x T Gramians)
 
 which never forms the `P x O` per-example gradient. With one position (an
-MLP) it is `||a||^2 ||g||^2`. When `T (P + O) >= P O` materializing the
-per-example gradient is cheaper, and the rule does that instead (mixed ghost
-clipping, Bu et al. 2022), per layer, from its static shapes.
+MLP) it is `||a||^2 ||g||^2`. When `2 T^2 >= P O` the per-example gradient
+is smaller than the Gramians, and the rule materializes it instead (mixed
+ghost clipping, Bu et al. 2022), per layer, from its static shapes.
 
 The clipped sum is computed from the same tensors (book-keeping, Bu et al.
 2023): `sum_i c_i A_i^T G_i = A^T (c * G)`, one matmul, no second backward
@@ -39,14 +39,15 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
         kernel_from_matrix: callable `[P, O] matrix -> kernel-shaped tensor`.
 
     Returns:
-        A `Part`: ghost (Gramians) or per-example materialization, whichever
-        costs fewer multiplications for these static shapes.
+        A `Part`: ghost (two `T x T` Gramians per example) when `2 T^2 < P O`,
+        else the per-example `P x O` gradients: whichever holds less memory
+        per example for these static shapes (Bu et al.'s mixed rule).
     """
     t, p, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         squared = tf.reduce_sum(a * a, [1, 2]) * tf.reduce_sum(g * g, [1, 2])
         method = "ghost"
-    elif t is not None and t * (p + o) < p * o:
+    elif t is not None and 2 * t * t < p * o:
         gram_a = tf.einsum("btp,bsp->bts", a, a)
         gram_g = tf.einsum("bto,bso->bts", g, g)
         squared = tf.reduce_sum(gram_a * gram_g, [1, 2])
