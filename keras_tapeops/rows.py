@@ -84,76 +84,97 @@ def split_like(vector, variables):
     return out
 
 
-def sum_over_replicas_if(condition, tensor):
-    """`tensor` summed over replicas where `condition` (equal on every replica) holds.
+def sum_over_replicas_if(condition, tensors):
+    """`tensors` summed over replicas where `condition` (equal on every replica) holds.
 
     Under `tf.distribute` a synchronization inside a replica-context
     `tf.cond` is not supported, so the condition is taken in cross-replica
-    context (`merge_call`) and the sum is made there; where it does not
+    context (`merge_call`) and the sums are made there; where it does not
     hold, zeros are returned and nothing is communicated. Without a
-    strategy (or with one replica) `tensor` is returned unchanged.
+    strategy (or with one replica) `tensors` are returned unchanged.
 
     Args:
         condition: a scalar bool tensor, the same on every replica.
-        tensor: this replica's tensor.
+        tensors: a list of this replica's tensors.
 
     Returns:
-        The sum over replicas (or zeros), the same on every replica.
+        A list: the sums over replicas (or zeros), the same on every replica.
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return tensor
+        return list(tensors)
 
-    def cross_replica(strategy, condition, tensor):
+    def cross_replica(strategy, condition, *tensors):
         condition = strategy.experimental_local_results(condition)[0]
         return tf.cond(
             condition,
-            lambda: strategy.reduce(tf.distribute.ReduceOp.SUM, tensor, axis=None),
-            lambda: tf.zeros_like(strategy.experimental_local_results(tensor)[0]),
+            lambda: [strategy.reduce(tf.distribute.ReduceOp.SUM, t, axis=None) for t in tensors],
+            lambda: [tf.zeros_like(strategy.experimental_local_results(t)[0]) for t in tensors],
         )
 
-    return context.merge_call(cross_replica, args=(condition, tensor))
+    return list(context.merge_call(cross_replica, args=(condition, *tensors)))
 
 
 def task_rows(tape, objectives, variables, method="loop"):
-    """The rows of the tasks' objectives, as one `[K, P]` float32 matrix.
+    """The tasks' rows kept per variable: for each, the `[K, *variable.shape]` stack.
 
-    With `method="loop"` and a list of scalars, each scalar is differentiated
-    on its own (`tape.gradient(objectives[k], ...)`), so each backward pass
-    runs only through the part of the graph that task depends on (its head
-    and the shared layers), not through every head with a zero cotangent as
-    a one-hot cotangent on their stack would. With `method="pfor"` pass their
-    stack, built inside the tape (`jacobian_rows`).
+    Keeping one stack per variable (instead of one flat `[K, P]` matrix)
+    saves the copies a concatenation and a split would make:
+    `gramian_of_parts` and `combine_parts` work on the stacks directly.
+
+    With `method="loop"` and a list of scalars, each scalar is
+    differentiated on its own (`tape.gradient(objectives[k], ...)`), so each
+    backward pass runs only through the part of the graph that task depends
+    on (its head and the shared layers), not through every head with a zero
+    cotangent as a one-hot cotangent on their stack would. With
+    `method="pfor"`, pass their stack built inside the tape (one vectorized
+    `tape.jacobian`).
 
     Args:
         tape: the persistent `tf.GradientTape` that recorded `objectives`.
         objectives: a list of K scalar tensors ("loop"), or a `[K]` tensor
-            recorded by the tape.
+            recorded by the tape ("pfor").
         variables: the variables (or watched tensors) to differentiate by.
         method: `"loop"` or `"pfor"`.
 
     Returns:
-        A `[K, P]` float32 tensor (zeros where an objective does not reach).
+        A list aligned with `variables` of `[K, *shape]` float32 tensors
+        (zeros where an objective does not reach).
 
     Example:
     ```python
-    rows = task_rows(tape, [loss_a, loss_b], shared_variables)
+    parts = task_rows(tape, [loss_a, loss_b], shared_variables)
+    gramian = gramian_of_parts(parts)
     ```
     """
+    zero = tf.UnconnectedGradients.ZERO
     if not isinstance(objectives, (list, tuple)):
-        return jacobian_rows(tape, objectives, variables, method)
+        jacobians = tape.jacobian(
+            objectives, variables, unconnected_gradients=zero,
+            experimental_use_pfor=method == "pfor",
+        )
+        return [tf.cast(tf.convert_to_tensor(j), tf.float32) for j in jacobians]
     if method != "loop":
         raise ValueError(
             "`task_rows` with method='pfor' needs the objectives stacked inside the "
             f"tape. Received: method={method!r} with a list of objectives"
         )
-    rows = []
-    for objective in objectives:
-        grads = tape.gradient(
-            objective, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-        rows.append(tf.concat(
-            [tf.reshape(tf.cast(tf.convert_to_tensor(g), tf.float32), [-1]) for g in grads],
-            axis=0,
-        ))
-    return tf.stack(rows)
+    per_task = [tape.gradient(o, variables, unconnected_gradients=zero) for o in objectives]
+    return [
+        tf.stack([tf.cast(tf.convert_to_tensor(grads[i]), tf.float32) for grads in per_task])
+        for i in range(len(variables))
+    ]
+
+
+def gramian_of_parts(parts):
+    """`J J^T` of the rows held as per-variable `[K, ...]` stacks (see `task_rows`)."""
+    products = []
+    for part in parts:
+        flat = tf.reshape(part, [tf.shape(part)[0], -1])
+        products.append(tf.matmul(flat, flat, transpose_b=True))
+    return tf.add_n(products)
+
+
+def combine_parts(weights, parts):
+    """`weights^T J` per variable: a list of tensors shaped like the variables."""
+    return [tf.tensordot(tf.cast(weights, part.dtype), part, axes=1) for part in parts]

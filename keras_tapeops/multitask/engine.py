@@ -112,6 +112,7 @@ class TaskEngine(MultiGradientState):
         self.jacobian_method = JACOBIAN_METHOD
         self._handover = threading.local()
         self._sums = None
+        self._sum_structure = None
 
     # ------------------------------------------------------------- binding
     def bind_variables(self, model, variables, tree):
@@ -136,7 +137,11 @@ class TaskEngine(MultiGradientState):
         layers = [self.representation] if kind == "representation" else []
         # The factor the stock step multiplies its loss by (a LossScaleOptimizer's
         # dynamic scale, a static `loss_scale_factor`, or 1).
-        scale = model.optimizer.scale_loss(tf.constant(1.0)) if model.optimizer else None
+        scaled = model.optimizer is not None and (
+            isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            or model.optimizer.loss_scale_factor is not None
+        )
+        scale = model.optimizer.scale_loss(tf.constant(1.0)) if scaled else None
         with tf.GradientTape(persistent=True) as tape:
             with recording_task_losses(model) as record:
                 with capture.recording_outputs(layers) as captured:
@@ -154,17 +159,19 @@ class TaskEngine(MultiGradientState):
             # cotangent: (c_1..c_K, c_total) gives sum_k c_k L_k + c_total L.
             combined = tf.concat([values, total[tf.newaxis]], axis=0)
             s = tf.cast(scale, tf.float32) if scale is not None else tf.constant(1.0)
-            targets = None  # the scalars whose rows are taken (loss-scaled)
+            targets = rest = None  # the scalars whose rows are taken (loss-scaled)
             if kind in ("rows", "conflict", "representation"):
                 targets = [v * s for v in value_list]
-                if kind == "rows" and self._has_rest(model, record):
-                    targets.append((total - tf.add_n(value_list)) * s)
                 if self.jacobian_method != "loop":
                     targets = tf.stack(targets)  # pfor needs the stack on the tape
+                if kind == "rows" and self._has_rest(model, record):
+                    rest = (total - tf.add_n(value_list)) * s
         n = tf.cast(_batch_size(x), tf.float32)
         m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
         pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
         pass_.captured = captured
+        pass_.rest = rest
+        pass_.unscale = (lambda t: t / s) if scaled else (lambda t: t)
         grads = getattr(pass_, kind)()
         return grads, y_pred
 
@@ -184,65 +191,72 @@ class TaskEngine(MultiGradientState):
         return options.micro_batches > 1 or options.accumulation_steps > 1
 
     def hand_over(self, model, pending, n, condition=None):
-        """Passes this pass's local sums (`pending`, times `n`) on to `finalize`."""
-        weighted = {name: value * n for name, value in pending.items()}
-        weighted["count"] = n
+        """Passes this pass's rows and losses (`pending`, a nest of tensors) to `finalize`.
+
+        Without accumulation they are kept as they are (one pass per applied
+        step); with it, `n * pending` and `n` are added to per-replica sums.
+        """
         if not self.accumulating(model):
-            self._handover.pending = (weighted, condition)
+            self._handover.pending = pending
             return
-        sums = self._accumulators(weighted)
+        flat = tf.nest.flatten(pending) + [n]
+        self._sum_structure = tf.nest.map_structure(lambda _: 0, pending)
+        sums = self._accumulators(flat)
 
         def add():
-            for name, value in weighted.items():
-                sums[name].assign_add(value)
+            for total, value in zip(sums, flat[:-1]):
+                total.assign_add(value * n)
+            sums[-1].assign_add(n)
             return tf.constant(True)
 
         if condition is None:
             add()
         else:
             tf.cond(condition, add, lambda: tf.constant(False))
-        self._handover.pending = (None, condition)
+        self._handover.pending = None
 
     def _accumulators(self, like):
         if self._sums is None:
             # Created on the first traced pass of an accumulating model (the
             # only time they are needed), outside the graph.
             with tf.init_scope():
-                self._sums = {
-                    name: tf.Variable(
+                self._sums = [
+                    tf.Variable(
                         tf.zeros(value.shape, tf.float32), trainable=False,
-                        name=f"task_sum_{name}",
+                        name=f"task_sum_{i}",
                         synchronization=tf.VariableSynchronization.ON_READ,
                         aggregation=tf.VariableAggregation.SUM,
                     )
-                    for name, value in like.items()
-                }
+                    for i, value in enumerate(like)
+                ]
         return self._sums
 
     def _take_global(self, model, condition):
-        """The step's rows and losses, summed over passes and replicas, then averaged."""
-        weighted, _ = getattr(self._handover, "pending", (None, None))
-        self._handover.pending = (None, None)
-        if weighted is None:
-            weighted = {name: v.read_value() for name, v in self._sums.items()}
-            for variable in self._sums.values():
+        """The step's rows and losses: summed over replicas (and passes, averaged).
+
+        Without accumulation: this pass's values summed over replicas (as the
+        step's gradients are). With accumulation: `R sum n x / sum n` over
+        the window's passes and the replicas (as `CrossBatchAccumulator`).
+        """
+        pending = getattr(self._handover, "pending", None)
+        self._handover.pending = None
+        accumulated = pending is None
+        if accumulated:
+            flat = [v.read_value() for v in self._sums]
+            for variable in self._sums:
                 variable.assign(tf.zeros_like(variable))
-        names = sorted(weighted)
-        shapes = [weighted[name].shape for name in names]
-        packed = tf.concat([tf.reshape(weighted[name], [-1]) for name in names], axis=0)
-        if condition is None:
-            packed = true_gradients.sum_over_replicas([packed])[0][0]
         else:
-            packed = row_ops.sum_over_replicas_if(condition, packed)
-        out, start = {}, 0
-        for name, shape in zip(names, shapes):
-            size = shape.num_elements()
-            out[name] = tf.reshape(packed[start:start + size], shape)
-            start += size
-        count = out.pop("count")
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        factor = replicas / tf.maximum(count, 1e-12)
-        return {name: value * factor for name, value in out.items()}
+            flat = tf.nest.flatten(pending)
+        if condition is None:
+            flat = true_gradients.sum_over_replicas(flat)[0]
+        else:
+            flat = row_ops.sum_over_replicas_if(condition, flat)
+        if accumulated:
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            factor = replicas / tf.maximum(flat[-1], 1e-12)
+            flat = [value * factor for value in flat[:-1]]
+            return tf.nest.pack_sequence_as(self._sum_structure, flat)
+        return tf.nest.pack_sequence_as(pending, flat)
 
     # ------------------------------------------------------------ finalize
     def finalize(self, model, grads, variables):
@@ -254,12 +268,14 @@ class TaskEngine(MultiGradientState):
         context = self.context(model, step["losses"])
         grads = list(grads)
         if kind == "rows":
-            rows = step["rows"]
-            gramian = row_ops.gramian(rows)
+            rows = step["rows"]  # per shared variable, [K, *shape]
+            gramian = row_ops.gramian_of_parts(rows)
             weights = self.option.weights(gramian, context)
-            shared_vars = [v for v, on in zip(variables, self.shared) if on]
-            parts = iter(row_ops.split_like(row_ops.combine(weights, rows), shared_vars))
-            grads = [g + next(parts) if on else g for g, on in zip(grads, self.shared)]
+            parts = iter(row_ops.combine_parts(weights, rows))
+            grads = [
+                g + tf.cast(next(parts), g.dtype) if on else g
+                for g, on in zip(grads, self.shared)
+            ]
             self.task_metrics.update(weights=weights, gramian=gramian)
             self.option.update(context, gramian=gramian)
         elif kind == "weighting":
@@ -268,7 +284,7 @@ class TaskEngine(MultiGradientState):
         elif kind == "conflict":
             measured = tf.cast(condition, tf.float32)
             self.task_metrics.update(
-                gramian=row_ops.gramian(step["rows"]), sample_weight=measured
+                gramian=row_ops.gramian_of_parts(step["rows"]), sample_weight=measured
             )
         if self.epochs is not None:
             finite = tf.reduce_all(tf.math.is_finite(step["losses"]))
@@ -341,29 +357,34 @@ class _Pass:
             tf.stop_gradient(weights) - 1.0 if weights is not None else tf.zeros([self.k])
         )
         other_grads = self._gradient(others, coefficients)
-        jac = row_ops.task_rows(self.tape, self.targets, shared, engine.jacobian_method)
-        task_rows = jac[: self.k] / self.scale
-        if jac.shape[0] > self.k:  # the rest of the loss: its ordinary gradient
-            shared_grads = row_ops.split_like(jac[self.k] * self.multiplier, shared)
+        parts = self._parts(shared)
+        if self.rest is not None:  # the rest of the loss: its ordinary gradient
+            shared_grads = [
+                g * self.multiplier for g in self.tape.gradient(
+                    self.rest, shared, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
+            ]
         else:
             shared_grads = [tf.zeros_like(v) for v in shared]
-        engine.hand_over(self.model, {"rows": task_rows, "losses": self.values}, self.n)
+        engine.hand_over(self.model, {"rows": parts, "losses": self.values}, self.n)
         return self._split(shared_grads, other_grads)
+
+    def _parts(self, sources):
+        parts = row_ops.task_rows(self.tape, self.targets, sources, self.engine.jacobian_method)
+        return [self.unscale(p) for p in parts]
 
     def conflict(self):
         engine = self.engine
         shared, _ = self._by_group()
-        size = sum(v.shape.num_elements() for v in shared)
         measured = engine._condition(self.model)
         grads = self._gradient(self.variables, tf.zeros([self.k]))
-
-        def measure():
-            jac = row_ops.task_rows(self.tape, self.targets, shared, engine.jacobian_method)
-            return jac / self.scale
-
-        rows = tf.cond(measured, measure, lambda: tf.zeros([self.k, size]))
+        parts = tf.cond(
+            measured,
+            lambda: self._parts(shared),
+            lambda: [tf.zeros([self.k, *v.shape]) for v in shared],
+        )
         engine.hand_over(
-            self.model, {"rows": rows, "losses": self.values}, self.n, condition=measured
+            self.model, {"rows": parts, "losses": self.values}, self.n, condition=measured
         )
         return grads
 
@@ -371,12 +392,9 @@ class _Pass:
         engine = self.engine
         shared, others = self._by_group()
         outputs = [t for ts in self._captured() for t in ts]
-        z_rows = row_ops.task_rows(self.tape, self.targets, outputs, engine.jacobian_method)
-        z_rows = z_rows / self.scale
-        packed = tf.concat([tf.reshape(row_ops.gramian(z_rows), [-1]), self.values], axis=0)
-        packed = true_gradients.sum_over_replicas([packed])[0][0]
-        gramian = tf.reshape(packed[: self.k * self.k], [self.k, self.k])
-        context = engine.context(self.model, packed[self.k * self.k:])
+        gramian = row_ops.gramian_of_parts(self._parts(outputs))
+        gramian, losses = true_gradients.sum_over_replicas([gramian, self.values])[0]
+        context = engine.context(self.model, losses)
         weights = engine.option.weights(gramian, context)
         engine.task_metrics.update(weights=weights, gramian=gramian)
         shared_grads = self._gradient(shared, tf.stop_gradient(weights) - 1.0)
