@@ -63,7 +63,7 @@ def test_mixed_float16_rows_are_unscaled_and_aggregated_in_float32():
     _weights_close(model.get_weights(), expected, atol=1e-5)
     # The logged norms are those of the unscaled rows (not 128 times them).
     np.testing.assert_allclose(history.history["a_grad_norm"][0], np.mean(seen, 0)[0], rtol=1e-3)
-    assert model.tapeops_state.engine.task_metrics.norm[0].dtype == "float32"
+    assert model.tapeops_state.engine.task_metrics.total.dtype == "float32"
 
 
 @pytest.mark.parametrize("make", [

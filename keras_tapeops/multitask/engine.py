@@ -46,7 +46,6 @@ from keras_tapeops import rows as row_ops
 from keras_tapeops import true_gradients
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.multitask import tasks as task_resolution
-from keras_tapeops.multitask.epochs import EpochBoundary
 from keras_tapeops.multitask.epochs import EpochLosses
 from keras_tapeops.multitask.metrics import TaskMetrics
 from keras_tapeops.multitask.option import StepContext
@@ -97,14 +96,12 @@ class TaskEngine(MultiGradientState):
             self.epochs.variables if self.epochs is not None else []
         )
         self.task_metrics = TaskMetrics(
-            self.task_names,
+            self.task_names, model,
             weights=option.logs_weights,
             gradients=option.kind in ("rows", "representation", "conflict"),
+            epochs=self.epochs,
         )
-        self.metrics = self.task_metrics.as_dict()
-        if self.epochs is not None:
-            boundary = EpochBoundary(self.epochs, model)
-            self.metrics[boundary.name] = boundary
+        self.metrics = {self.task_metrics.name: self.task_metrics}
         self.shared = None
         self.representation = (  # layers exist before the model is built
             option.representation_layer(model, tree) if option.kind == "representation" else None

@@ -3,9 +3,9 @@
 DWA weighs the tasks by how fast their losses fell over the last two
 epochs, and GradNorm compares each loss with its first-epoch value (as in
 LibMTL's `train_loss_buffer`). An epoch is what `fit()` calls one: Keras
-resets the model's metrics when an epoch begins, and the engine's
-`EpochBoundary` metric moves the finished epoch's mean losses into the
-history at that moment (not during `evaluate()`).
+resets the model's metrics when an epoch begins, and the engine's metric
+(`metrics.TaskMetrics.reset_state`) then moves the finished epoch's mean
+losses into the history (not when `evaluate()` resets them).
 
 All of it is training state saved with the model (and by
 `BackupAndRestore`), so a resumed run continues with the same weights.
@@ -13,8 +13,6 @@ All of it is training state saved with the model (and by
 
 import keras
 import numpy as np
-
-from keras_tapeops.multitask import _keras_private as private
 
 
 class EpochLosses:
@@ -71,31 +69,3 @@ class EpochLosses:
         self.completed.assign(self.completed.numpy() + 1.0)
         self.current.assign(np.zeros_like(mean))
         self.steps.assign(0.0)
-
-
-class EpochBoundary(keras.metrics.Metric):
-    """A metric that logs nothing and rolls `EpochLosses` when Keras resets metrics.
-
-    `fit()` resets the model's metrics at the start of every epoch (and
-    `train_on_batch` on every call); `evaluate()` resets them too, which is
-    ignored (the mixin flags evaluation).
-
-    Args:
-        losses: the `EpochLosses` to roll.
-        model: the model whose evaluation flag is read.
-    """
-
-    def __init__(self, losses, model, name="task_epoch_boundary"):
-        super().__init__(name=name)
-        self._losses = losses
-        self._model_ref = [model]  # a list: not tracked as a sub-layer
-
-    def update_state(self, *args, **kwargs):
-        pass
-
-    def result(self):
-        return {}
-
-    def reset_state(self):
-        if not private.is_evaluating(self._model_ref[0]):
-            self._losses.roll()

@@ -1,4 +1,4 @@
-"""The multi-task engine's logged metrics (History, progress bar, TensorBoard).
+"""The multi-task engine's logged values (History, progress bar, TensorBoard).
 
 Names, for tasks `a`, `b`, `c` (the output names Keras uses in `a_loss`):
 
@@ -13,73 +13,90 @@ Names, for tasks `a`, `b`, `c` (the output names Keras uses in `a_loss`):
 Each is the mean over the epoch's measured steps (every applied step, or
 every `every`-th for `MeasureConflict`), like `loss`. Training only:
 `evaluate()` does not report them.
+
+All of them live in one Keras metric (a vector of sums and one count), so a
+step adds them with two variable updates however many tasks there are.
 """
 
 import keras
 import tensorflow as tf
 
 from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops.multitask import _keras_private as private
 
 
-class TaskMetrics:
-    """One `Mean` per logged quantity (see the module docstring for names).
+class TaskMetrics(keras.metrics.Metric):
+    """The per-task weights, gradient norms and pairwise cosines, as one metric.
+
+    `result()` is a dict name -> epoch mean (Keras logs each entry), empty
+    while the model evaluates. `reset_state()` (Keras calls it when an epoch
+    begins) also ends the epoch of `epochs` (DWA, GradNorm).
 
     Args:
         task_names: the tasks, in order.
+        model: the model (its evaluation flag is read).
         weights: log `<task>_weight`.
         gradients: log `<task>_grad_norm` and `cosine_<a>_<b>`.
+        epochs: an `EpochLosses` to roll at epoch boundaries, or None.
 
     Example:
     ```python
-    metrics = TaskMetrics(["a", "b"], weights=True, gradients=True)
+    metrics = TaskMetrics(["a", "b"], model, weights=True, gradients=True)
     metrics.update(weights=w, gramian=g)
     ```
     """
 
-    def __init__(self, task_names, weights=True, gradients=True):
+    def __init__(self, task_names, model, weights=True, gradients=True, epochs=None,
+                 name="task_balancing"):
+        super().__init__(name=name)
         self.task_names = list(task_names)
         self.pairs = gram.pairs(len(self.task_names))
-        self.weight = (
-            [keras.metrics.Mean(name=f"{t}_weight") for t in self.task_names] if weights else []
+        self.weights_logged = weights
+        self.gradients_logged = gradients
+        names = [f"{t}_weight" for t in self.task_names] if weights else []
+        if gradients:
+            names += [f"{t}_grad_norm" for t in self.task_names]
+            names += [f"cosine_{self.task_names[i]}_{self.task_names[j]}" for i, j in self.pairs]
+        self.names = names
+        self.total = self.add_variable(
+            shape=(len(names),), initializer="zeros", name="total", aggregation="sum"
         )
-        self.norm = (
-            [keras.metrics.Mean(name=f"{t}_grad_norm") for t in self.task_names]
-            if gradients else []
-        )
-        self.cosine = (
-            [
-                keras.metrics.Mean(
-                    name=f"cosine_{self.task_names[i]}_{self.task_names[j]}"
-                )
-                for i, j in self.pairs
-            ]
-            if gradients else []
-        )
-
-    def as_dict(self):
-        """name -> metric, in logging order."""
-        return {m.name: m for m in self.weight + self.norm + self.cosine}
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
+        self._model_ref = [model]  # a list: not tracked as a sub-layer
+        self._epochs = epochs
 
     def update(self, weights=None, gramian=None, sample_weight=None):
         """Adds one step's values.
 
         Args:
-            weights: `[K]` task weights, or None.
-            gramian: `[K, K]` Gramian of the task gradients, or None.
+            weights: `[K]` task weights (if weights are logged).
+            gramian: `[K, K]` Gramian of the task gradients (if gradients are logged).
             sample_weight: optional scalar (0 leaves the means unchanged).
         """
-        if weights is not None:
-            for k, metric in enumerate(self.weight):
-                metric.update_state(weights[k], sample_weight=sample_weight)
-        if gramian is not None and self.norm:
-            norms = gram.row_norms(gramian)
+        parts = []
+        if self.weights_logged:
+            parts.append(tf.cast(weights, tf.float32))
+        if self.gradients_logged:
             cosines = gram.cosine_similarities(gramian)
-            for k, metric in enumerate(self.norm):
-                metric.update_state(norms[k], sample_weight=sample_weight)
-            for (i, j), metric in zip(self.pairs, self.cosine):
-                metric.update_state(cosines[i, j], sample_weight=sample_weight)
+            parts.append(gram.row_norms(gramian))
+            if self.pairs:
+                parts.append(tf.gather_nd(cosines, self.pairs))
+        values = tf.concat(parts, axis=0)
+        weight = tf.constant(1.0) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        self.total.assign_add(values * weight)
+        self.count.assign_add(weight)
 
+    def update_state(self, *args, **kwargs):
+        raise NotImplementedError("TaskMetrics is updated by the engine (update()).")
 
-def finite_or_zero(values):
-    """`values` with non-finite entries replaced by 0 (a skipped fp16 step logs 0)."""
-    return tf.where(tf.math.is_finite(values), values, tf.zeros_like(values))
+    def result(self):
+        if private.is_evaluating(self._model_ref[0]):
+            return {}
+        means = tf.math.divide_no_nan(self.total, self.count)
+        return {name: means[i] for i, name in enumerate(self.names)}
+
+    def reset_state(self):
+        self.total.assign(tf.zeros_like(self.total))
+        self.count.assign(tf.zeros_like(self.count))
+        if self._epochs is not None and not private.is_evaluating(self._model_ref[0]):
+            self._epochs.roll()
