@@ -75,6 +75,10 @@ class PCGrad(Aggregator):
 
     Example:
     ```python
+    inputs = keras.Input((8,))
+    features = keras.Sequential([keras.layers.Dense(16, activation="relu")], name="trunk")(inputs)
+    model = kt.upgrade(keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(features),
+                                            "b": keras.layers.Dense(1, name="b")(features)}))
     model.compile(optimizer="adam", loss={"a": "mse", "b": "mse"},
                   task_balancing=kt.PCGrad(shared="trunk/*"))
     ```
