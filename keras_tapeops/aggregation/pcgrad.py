@@ -39,6 +39,11 @@ def task_orders(seed, step, k):
 def pcgrad_weights(gramian, orders):
     """PCGrad's weights from the Gramian, for given visiting orders.
 
+    Task `i`'s projected gradient is kept as weights over the rows
+    (`g_i^PC = c_i^T J`, starting from `e_i`); visiting task `j` subtracts
+    `min(0, g_i^PC . g_j) / ||g_j||^2` from `c_i[j]`. The tasks' projections
+    are independent, so the K of them advance together, one visit per step.
+
     Args:
         gramian: `[K, K]` float32.
         orders: `[K, K]` int32, row `i` a permutation (see `task_orders`).
@@ -47,21 +52,17 @@ def pcgrad_weights(gramian, orders):
         `[K]` float32 weights `w` with `w^T J = sum_i g_i^PC`.
     """
     k = int(gramian.shape[0])
-    total = tf.zeros([k])
-    for i in range(k):
-        current = tf.one_hot(i, k)
-        for t in range(k):
-            j = orders[i, t]
-            g_j = tf.gather(gramian, j)
-            inner = tf.reduce_sum(g_j * current)
-            norm2 = tf.gather(g_j, j)
-            project = tf.logical_and(
-                tf.logical_and(inner < 0.0, norm2 > 0.0), tf.not_equal(j, i)
-            )
-            step = tf.where(project, inner / tf.where(norm2 > 0.0, norm2, 1.0), 0.0)
-            current = current - step * tf.one_hot(j, k)
-        total = total + current
-    return total
+    tasks = tf.range(k, dtype=orders.dtype)
+    current = tf.eye(k)  # row i: the weights of task i's projected gradient
+    for t in range(k):
+        j = orders[:, t]  # the task each task visits now
+        rows_j = tf.gather(gramian, j)  # G[j_i, :]
+        inner = tf.reduce_sum(rows_j * current, axis=1)  # g_i^PC . g_j
+        norm2 = tf.gather_nd(gramian, tf.stack([j, j], axis=1))
+        project = (inner < 0.0) & (norm2 > 0.0) & tf.not_equal(j, tasks)
+        step = tf.where(project, inner / tf.where(norm2 > 0.0, norm2, 1.0), 0.0)
+        current = current - step[:, tf.newaxis] * tf.one_hot(j, k)
+    return tf.reduce_sum(current, axis=0)
 
 
 @register

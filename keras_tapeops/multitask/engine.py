@@ -279,9 +279,16 @@ class TaskEngine(MultiGradientState):
             self.task_metrics.update(weights=self.option.pass_weights(context))
             self.option.update(context)
         elif kind == "conflict":
-            measured = tf.cast(condition, tf.float32)
+            k = len(self.task_names)
+            gramian = step.get("gramian")
+            if gramian is None:
+                gramian = tf.cond(
+                    condition,
+                    lambda: row_ops.gramian_of_parts(step["rows"]),
+                    lambda: tf.zeros([k, k]),
+                )
             self.task_metrics.update(
-                gramian=row_ops.gramian_of_parts(step["rows"]), sample_weight=measured
+                gramian=gramian, sample_weight=tf.cast(condition, tf.float32)
             )
         if self.epochs is not None:
             finite = tf.reduce_all(tf.math.is_finite(step["losses"]))
@@ -375,14 +382,24 @@ class _Pass:
         shared, _ = self._by_group()
         measured = engine._condition(self.model)
         grads = self._gradient(self.variables, tf.zeros([self.k]))
-        parts = tf.cond(
-            measured,
-            lambda: self._parts(shared),
-            lambda: [tf.zeros([self.k, *v.shape]) for v in shared],
-        )
-        engine.hand_over(
-            self.model, {"rows": parts, "losses": self.values}, self.n, condition=measured
-        )
+        one_replica = tf.distribute.get_strategy().num_replicas_in_sync == 1
+        if one_replica and not engine.accumulating(self.model):
+            # This pass's rows are the step's: only their Gramian leaves the
+            # branch, and unmeasured steps compute nothing.
+            gramian = tf.cond(
+                measured,
+                lambda: row_ops.gramian_of_parts(self._parts(shared)),
+                lambda: tf.zeros([self.k, self.k]),
+            )
+            pending = {"gramian": gramian, "losses": self.values}
+        else:  # rows are summed over replicas (or passes) before their Gramian
+            parts = tf.cond(
+                measured,
+                lambda: self._parts(shared),
+                lambda: [tf.zeros([self.k, *v.shape]) for v in shared],
+            )
+            pending = {"rows": parts, "losses": self.values}
+        engine.hand_over(self.model, pending, self.n, condition=measured)
         return grads
 
     def representation(self):
