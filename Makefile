@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q --durations=25 tests
 
 # Keras's own trainer, model, callback, saving and distillation tests, stock and
 # with kt.TapeOpsMixin in every model: fails if a test fails only with the mixin

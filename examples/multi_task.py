@@ -7,9 +7,10 @@ CAGrad repository's toy.py): each aggregator (`kt.PCGrad`, `kt.MGDA`,
 points; the final `(f1, f2)` of each run is printed and the trajectories are
 drawn on the landscape, so you can see where each method's steps lead.
 
-Part 2, a small two-output model on generated data with conflicting tasks
-of very different scales (task `b`'s loss is ~25 times task `a`'s, and the
-two pull the shared trunk in opposite directions): the same model, initial
+Part 2, a small two-output model on generated data with tasks of very
+different scales (task `b`'s loss is ~25 times task `a`'s; their targets
+depend on negatively correlated directions of the input, yet the logged
+cosine of their trunk gradients stays near 0): the same model, initial
 weights and batches trained with `fit()` and `compile(task_balancing=...)`:
 per-task validation error (relative to the target's variance), the logged
 task weights and gradient cosine, and the time per epoch.
