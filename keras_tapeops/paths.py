@@ -103,6 +103,53 @@ class LayerTree:
             f"({found}); give the path instead, or a glob to select them all"
         )
 
+    def resolve_layer(self, ref):
+        """Returns the one layer `ref` refers to: a layer object, a path or a bare name.
+
+        A layer object must appear in the tree (under any path); a string is
+        looked up with `find`. Like `find`'s, the ValueErrors do not say
+        which argument `ref` came from: a caller adds its own
+        `Received: <argument>=...`.
+
+        Args:
+            ref: a layer of the model, a path (`"backbone/dense_1"`) or a bare
+                name found at any depth (no wildcards).
+
+        Returns:
+            The layer.
+
+        Raises:
+            ValueError: a layer object that is not in the model, or a string
+                `find` rejects (no such layer, or a bare name shared by several
+                layers); each lists the available or matching paths.
+            TypeError: `ref` is neither a layer nor a string.
+
+        Example:
+        ```python
+        import keras
+        from keras_tapeops.paths import LayerTree
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="d")],
+                                 name="backbone")
+        model = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1, name="head")])
+        tree = LayerTree(model)
+        assert tree.resolve_layer("backbone/d") is inner.layers[0]
+        assert tree.resolve_layer("head") is tree.resolve_layer(model.layers[-1])
+        ```
+        """
+        if isinstance(ref, keras.layers.Layer):
+            if not self.paths_of(ref):
+                raise ValueError(
+                    f"The layer {ref.name!r} is not part of the model "
+                    f"{self.model.name!r}. Available layer paths: {self.paths()}"
+                )
+            return ref
+        if not isinstance(ref, str):
+            raise TypeError(
+                "`ref` must be a layer of the model, a layer path or a layer "
+                f"name. Received: ref={ref!r}"
+            )
+        return self.find(ref)
+
     def find_all(self, spec):
         """The distinct layers a bare name or exact path names (maybe none)."""
         spec = spec.strip("/")

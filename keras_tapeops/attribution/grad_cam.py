@@ -94,20 +94,14 @@ def grad_cam(model, x, layer, target=None, upsample=False):
 
 
 def _find_layer(model, layer):
-    tree = paths.LayerTree(model)
-    if isinstance(layer, keras.layers.Layer):
-        if not tree.paths_of(layer):
-            raise ValueError(
-                f"The layer {layer.name!r} is not part of model {model.name!r}. "
-                f"Available layer paths: {tree.paths()}. Received: layer={layer!r}"
-            )
-        return layer
-    if not isinstance(layer, str) or not layer.strip("/") or paths.is_glob(layer):
+    if not isinstance(layer, keras.layers.Layer) and (
+        not isinstance(layer, str) or not layer.strip("/") or paths.is_glob(layer)
+    ):
         raise ValueError(
             "`layer` must be one layer's path (e.g. 'backbone/Conv_1'), name, or "
             f"the layer object. Received: layer={layer!r}"
         )
     try:
-        return tree.find(layer)
+        return paths.LayerTree(model).resolve_layer(layer)
     except ValueError as error:
         raise ValueError(f"{error}. Received: layer={layer!r}") from None

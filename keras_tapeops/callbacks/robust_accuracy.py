@@ -1,15 +1,13 @@
 """`RobustAccuracy`: logs accuracy under attack at the end of every epoch."""
 
-import keras
-
-from keras_tapeops import second_order
 from keras_tapeops import validation
 from keras_tapeops.attacks.robustness import RobustnessEvaluator
+from keras_tapeops.callbacks.epoch_measure import EpochMeasure
 from keras_tapeops.registration import register
 
 
 @register
-class RobustAccuracy(keras.callbacks.Callback):
+class RobustAccuracy(EpochMeasure):
     """Writes the accuracy under `attack` on `data` into the epoch logs.
 
     At the end of every epoch (every `every` epochs) it runs
@@ -45,35 +43,17 @@ class RobustAccuracy(keras.callbacks.Callback):
     """
 
     def __init__(self, data, attack, name="robust_accuracy", batch_size=None, every=1):
-        super().__init__()
         self.evaluator = RobustnessEvaluator(attack)
         self.attack = attack
         if batch_size is not None:
             batch_size = validation.positive_int(batch_size, "batch_size")
-        second_order._check_data(data)
-        self.data = data
         self.batch_size = batch_size
-        self.name = validation.name(name, "name")
-        self.every = validation.positive_int(every, "every")
-        self.values = {}
+        super().__init__(data, name, every)
 
-    def on_train_begin(self, logs=None):
-        self.values = {}
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch % self.every:
-            return
-        if logs is not None and self.name in logs:
-            raise ValueError(
-                f"RobustAccuracy cannot log under `name`={self.name!r}: the epoch "
-                "logs already have that key (a metric or another callback). "
-                f"Pass another name. Received: name={self.name!r}"
-            )
+    def measure(self):
+        """Runs the attack on `data`; returns the robust accuracy (a float)."""
         result = self.evaluator(self.model, self.data, self.batch_size)
-        value = result["robust_accuracy"]
-        self.values[epoch] = value
-        if logs is not None:
-            logs[self.name] = value
+        return result["robust_accuracy"]
 
     def get_config(self):
         """The arguments; `data` is held by reference (not JSON-serializable)."""
@@ -84,14 +64,3 @@ class RobustAccuracy(keras.callbacks.Callback):
             "batch_size": self.batch_size,
             "every": self.every,
         }
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-    def __repr__(self):
-        return (
-            f"RobustAccuracy(data={second_order._describe(self.data)}, "
-            f"attack={self.attack!r}, name={self.name!r}, "
-            f"batch_size={self.batch_size!r}, every={self.every!r})"
-        )

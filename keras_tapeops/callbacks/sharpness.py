@@ -1,14 +1,13 @@
 """`Sharpness`: logs the top Hessian eigenvalue of the loss during `fit`."""
 
-import keras
-
 from keras_tapeops import second_order
 from keras_tapeops import validation
+from keras_tapeops.callbacks.epoch_measure import EpochMeasure
 from keras_tapeops.registration import register
 
 
 @register
-class Sharpness(keras.callbacks.Callback):
+class Sharpness(EpochMeasure):
     """Logs the loss Hessian's largest-magnitude eigenvalue every `every` epochs.
 
     At the end of epochs `0, every, 2 * every, ...` (0-based, counted like
@@ -49,40 +48,20 @@ class Sharpness(keras.callbacks.Callback):
     def __init__(
         self, data, every=1, iterations=20, name="sharpness", seed=None, tolerance=1e-4
     ):
-        super().__init__()
-        second_order._check_data(data)
-        self.data = data
-        self.every = validation.positive_int(every, "every")
+        super().__init__(data, name, every)
         self.iterations = validation.positive_int(iterations, "iterations")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
-        self.name = name
         self.seed = second_order._check_seed(seed)
         self.tolerance = validation.non_negative_number(tolerance, "tolerance")
-        self.values = {}
 
-    def on_train_begin(self, logs=None):
-        self.values = {}
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch % self.every:
-            return
-        if logs is not None and self.name in logs:
-            raise ValueError(
-                f"Sharpness cannot log under `name`={self.name!r}: the epoch logs "
-                "already have that key (a metric or another callback). Pass "
-                f"another name. Received: name={self.name!r}"
-            )
-        value = second_order.top_hessian_eigenvalue(
+    def measure(self):
+        """Returns `kt.top_hessian_eigenvalue` of the model's loss on `data`."""
+        return second_order.top_hessian_eigenvalue(
             self.model,
             self.data,
             iterations=self.iterations,
             seed=self.seed,
             tolerance=self.tolerance,
         )
-        self.values[epoch] = value
-        if logs is not None:
-            logs[self.name] = value
 
     def get_config(self):
         """The arguments; `data` is held by reference (not JSON-serializable)."""
@@ -94,13 +73,3 @@ class Sharpness(keras.callbacks.Callback):
             "seed": self.seed,
             "tolerance": self.tolerance,
         }
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-    def __repr__(self):
-        config = self.get_config()
-        config["data"] = second_order._describe(self.data)
-        arguments = ", ".join(f"{k}={v if k == 'data' else repr(v)}" for k, v in config.items())
-        return f"Sharpness({arguments})"

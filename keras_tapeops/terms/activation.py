@@ -90,22 +90,16 @@ class ActivationPenalty(Term):
         """
         super().bind(model, tree)
         tree = tree or paths.LayerTree(model)
-        if isinstance(self.layer, keras.layers.Layer):
-            if not tree.paths_of(self.layer):
-                raise ValueError(
-                    f"ActivationPenalty {self.name!r}: the given layer "
-                    f"{self.layer.name!r} is not part of the model "
-                    f"{model.name!r}. Available layer paths: {tree.paths()}. "
-                    f"Received: layer=<{type(self.layer).__name__} "
-                    f"name={self.layer.name!r}>"
-                )
-            return self.layer
         try:
-            return tree.find(self.layer)
+            return tree.resolve_layer(self.layer)
         except ValueError as error:
+            layer = self.layer
+            received = (
+                f"<{type(layer).__name__} name={layer.name!r}>"
+                if isinstance(layer, keras.layers.Layer) else repr(layer)
+            )
             raise ValueError(
-                f"ActivationPenalty {self.name!r}: {error}. "
-                f"Received: layer={self.layer!r}"
+                f"ActivationPenalty {self.name!r}: {error}. Received: layer={received}"
             ) from None
 
     def layers_to_capture(self, state):
