@@ -212,8 +212,9 @@ def maybe_symbolic_build(model, iterator, data_batch, stock):
     strategy = model.distribute_strategy
     if iterator is None or not _is_multi_worker(strategy):
         return stock(iterator=iterator, data_batch=data_batch)
-    for _, _, batches in iterator:
-        data_batch = next(batches)
+    for item in iterator:
+        # Keras 3.15 yields (begin, end, iterator), Keras 3.10 (step, iterator).
+        data_batch = next(item[-1])
         break
     data_batch = tf.nest.map_structure(
         lambda v: strategy.experimental_local_results(v)[0]
