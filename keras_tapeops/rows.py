@@ -19,11 +19,12 @@ def jacobian_rows(tape, objectives, variables, method="pfor"):
         objectives: a `[K]` tensor (e.g. per-task or per-example losses).
         variables: the variables (or watched tensors) to differentiate by.
         method: `"pfor"` (one vectorized Jacobian) or `"loop"` (one
-            `tape.gradient` per objective; K must be static).
+            backward pass per objective, `tape.jacobian` without pfor).
 
     Returns:
-        A `[K, P]` float32 tensor, P the total size of `variables`; a
-        variable the objectives do not reach contributes zeros.
+        A `[K, P]` float32 tensor, P the total size of `variables`: the
+        `task_rows` stacks, flattened and concatenated; a variable the
+        objectives do not reach contributes zeros.
 
     Example:
     ```python
@@ -32,36 +33,13 @@ def jacobian_rows(tape, objectives, variables, method="pfor"):
     rows = jacobian_rows(tape, losses, model.trainable_variables)
     ```
     """
-    if method == "pfor":
-        jacobians = tape.jacobian(
-            objectives, variables,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            experimental_use_pfor=True,
-        )
-    elif method == "loop":
-        k = int(objectives.shape[0])
-        # One backward pass per objective, seeded with a one-hot cotangent
-        # (indexing `objectives` after the tape closed would not be recorded).
-        per_objective = [
-            tape.gradient(
-                objectives, variables,
-                output_gradients=tf.one_hot(i, k, dtype=objectives.dtype),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            for i in range(k)
-        ]
-        jacobians = [
-            tf.stack([tf.convert_to_tensor(g[j]) for g in per_objective])
-            for j in range(len(variables))
-        ]
-    else:
+    if method not in ("pfor", "loop"):
         raise ValueError(
             f"`method` must be 'pfor' or 'loop'. Received: method={method!r}"
         )
+    parts = task_rows(tape, objectives, variables, method)
     k = tf.shape(objectives)[0]
-    return tf.concat(
-        [tf.reshape(tf.cast(j, tf.float32), [k, -1]) for j in jacobians], axis=1
-    )
+    return tf.concat([tf.reshape(part, [k, -1]) for part in parts], axis=1)
 
 
 def gramian(rows):
