@@ -11,8 +11,8 @@ import numbers
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
-from keras_tapeops import mixin
+from keras_tapeops._keras import private
+from keras_tapeops import replicas
 from keras_tapeops import true_gradients
 from keras_tapeops import validation
 from keras_tapeops.penalty import gradient_penalty
@@ -189,7 +189,7 @@ class WGANGP(keras.Model):
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
         real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        n = mixin.batch_size(real)
+        n = replicas.batch_size(real)
         critic_losses, penalties = [], []
         for step in range(self.critic_steps):
             critic_loss, penalty = self.critic_train_step(real, step)
@@ -205,7 +205,7 @@ class WGANGP(keras.Model):
 
     def test_step(self, data):
         real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        n = mixin.batch_size(real)
+        n = replicas.batch_size(real)
         critic_loss, penalty = self.critic_losses(real, 0, training=False)
         generator_loss = self.generator_loss(real, training=False)
         self.critic_loss_tracker.update_state(critic_loss, sample_weight=n)
@@ -219,7 +219,7 @@ class WGANGP(keras.Model):
         with tf.GradientTape() as tape:
             loss, penalty = self.critic_losses(real, step, training=True)
             scaled = self.critic_optimizer.scale_loss(
-                mixin.scale_for_distribution(loss)
+                replicas.scale_for_distribution(loss)
             )
         grads = tape.gradient(scaled, variables)
         self.apply_critic_gradients(grads, variables)
@@ -231,7 +231,7 @@ class WGANGP(keras.Model):
         with tf.GradientTape() as tape:
             loss = self.generator_loss(real, training=True)
             scaled = self.generator_optimizer.scale_loss(
-                mixin.scale_for_distribution(loss)
+                replicas.scale_for_distribution(loss)
             )
         grads = tape.gradient(scaled, variables)
         self.generator_optimizer.apply_gradients(zip(grads, variables))
@@ -268,14 +268,14 @@ class WGANGP(keras.Model):
         Returns:
             A float tensor of shape `(batch, latent_dim)`.
         """
-        return tf.random.normal([mixin.batch_size(real), self.latent_dim])
+        return tf.random.normal([replicas.batch_size(real), self.latent_dim])
 
     def sample_alpha(self, real, step):
         """Interpolation weights of the penalty: `U[0, 1]` of shape `(batch,)`.
 
         Override for deterministic tests (same arguments as `sample_latent`).
         """
-        return tf.random.uniform([mixin.batch_size(real)], 0.0, 1.0)
+        return tf.random.uniform([replicas.batch_size(real)], 0.0, 1.0)
 
     def apply_critic_gradients(self, grads, variables):
         """Applies the critic's gradients, through the gradient transforms if any.

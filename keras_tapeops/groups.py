@@ -51,7 +51,7 @@ import re
 import keras
 
 from keras_tapeops import _compat
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import paths
 from keras_tapeops import selectors
 

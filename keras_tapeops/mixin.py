@@ -18,13 +18,18 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import accumulation
 from keras_tapeops import capture
 from keras_tapeops import groups
 from keras_tapeops import sam
 from keras_tapeops import step_gate
 from keras_tapeops import true_gradients
+from keras_tapeops.replicas import batch_size
+from keras_tapeops.replicas import scale_for_distribution
+from keras_tapeops.replicas import unscale_for_distribution
+from keras_tapeops.hook_overrides import default_hook
+from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.state import ModelState
@@ -509,6 +514,7 @@ class TapeOpsMixin:
             )
         return loss, y_pred
 
+    @default_hook
     def compute_terms(self, terms, context):
         """Returns `weight * value` (float32 scalar) of each term, in order.
 
@@ -588,6 +594,7 @@ class TapeOpsMixin:
             after_apply=step_gate.after_apply_function(bound, variables),
         )
 
+    @default_hook
     def aggregate_gradients(self, grads):
         """Sums `grads` over replicas once; returns `(grads, was_reduced)`.
 
@@ -598,12 +605,11 @@ class TapeOpsMixin:
         return true_gradients.sum_over_replicas(grads)
 
     def _overrides_gradient_hooks(self):
-        cls = type(self)
-        return (
-            cls.transform_gradients is not TapeOpsMixin.transform_gradients
-            or cls.aggregate_gradients is not TapeOpsMixin.aggregate_gradients
+        return overrides(self, "transform_gradients") or overrides(
+            self, "aggregate_gradients"
         )
 
+    @default_hook
     def transform_gradients(self, grads, variables):
         """Applies the compiled gradient transforms in list order.
 
@@ -688,32 +694,6 @@ class TapeOpsMixin:
                 record["tape"] = tape
                 record["watched"] = watched
                 yield record
-
-
-def batch_size(x):
-    """Number of samples in `x` (first dimension of its first tensor)."""
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
-
-
-def num_replicas():
-    return tf.distribute.get_strategy().num_replicas_in_sync
-
-
-def scale_for_distribution(value):
-    """Divides by the number of replicas, as Keras scales losses."""
-    n = num_replicas()
-    if n > 1:
-        value = value * tf.cast(1.0 / n, value.dtype)
-    return value
-
-
-def unscale_for_distribution(value):
-    """Multiplies by the number of replicas, as Keras does before logging."""
-    n = num_replicas()
-    if n > 1:
-        value = value * tf.cast(n, value.dtype)
-    return value
 
 
 def compile_arg_names(args, kwargs):

@@ -22,7 +22,7 @@ tree.variable_paths(model.trainable_variables[0])  # ["backbone/Conv1/kernel"]
 
 import keras
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 
 GLOB_CHARACTERS = "*?["
 

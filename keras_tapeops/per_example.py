@@ -43,7 +43,7 @@ losses = per_example_losses(model, y, model(x))   # shape [4]
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _SUPPORTED_REDUCTIONS = _MEAN_REDUCTIONS + ("sum", "mean_with_sample_weight")

@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import validation
 
 

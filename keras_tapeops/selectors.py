@@ -33,7 +33,7 @@ import warnings
 
 import keras
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import paths
 
 

@@ -22,7 +22,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import accumulation
 from keras_tapeops import paths
 from keras_tapeops.transforms.base import GradientTransform

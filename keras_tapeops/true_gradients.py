@@ -16,7 +16,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 
 
 def apply_transformed(

@@ -13,7 +13,7 @@ import numpy as np
 
 NORM_EPS = 1e-4
 REG_EPS = 1e-4
-RCOND = 1e-4  # the library's documented rank cutoff (aggregation.gramian.RCOND)
+RCOND = 1e-4  # the library's documented rank cutoff (keras_tapeops.gramian.RCOND)
 
 
 def pcgrad(J, orders):

@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import _compat
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 
 
 def batch_norm_layers(model):

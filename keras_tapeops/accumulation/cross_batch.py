@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation.micro_batches import micro_batch_pass
+from keras_tapeops.replicas import batch_size
 
 # model -> {thread: (kind, normalizer tensor)} of the batch whose pass was just
 # traced (MirroredStrategy traces each replica's step in its own thread).
@@ -77,7 +78,7 @@ def window_gradients(model, x, y, sample_weight):
         records, regularized = summary.records, summary.regularized
         sizes = dict(zip([r.key for r in records if r.kind == "masked"], summary.masked_sizes))
         totals = reductions.weight_totals(model, sample_weight)
-        n = tf.cast(_batch_size(x), tf.float32)
+        n = tf.cast(batch_size(x), tf.float32)
 
         def normalizer(record):
             if record.kind == "weights":
@@ -101,14 +102,10 @@ def window_gradients(model, x, y, sample_weight):
         records, model, regularized, options.accumulation_steps
     )
     chosen = [r for r in records if r.key == key]
-    weight = normalizer(chosen[0]) if chosen else tf.cast(_batch_size(x), tf.float32)
+    weight = normalizer(chosen[0]) if chosen else tf.cast(batch_size(x), tf.float32)
     _PENDING.setdefault(model, {})[threading.get_ident()] = (kind, weight)
     return grads, y_pred
 
-
-def _batch_size(x):
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
 
 
 class CrossBatchAccumulator:

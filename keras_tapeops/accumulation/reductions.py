@@ -39,11 +39,13 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops.per_example import _flat_losses
 from keras_tapeops.per_example import _keras_mask as _tensor_mask
 from keras_tapeops.per_example import _resolve
 from keras_tapeops.per_example import _same_rank
+from keras_tapeops import hook_overrides
+from keras_tapeops.replicas import batch_size
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 UNREDUCED = (None, "none")
@@ -199,7 +201,7 @@ class ReducedLoss:
         value = self.loss(y_true, y_pred, sample_weight)
         mask = _keras_mask(y_pred)
         kind = kind_of(reduction, sample_weight is not None, mask is not None)
-        size = tf.cast(_batch_size(y_pred), tf.float32)
+        size = tf.cast(batch_size(y_pred), tf.float32)
         record = Record(
             self.index, self.name, reduction, kind,
             _key(kind, self.index, sample_weight), value, self.loss_weight,
@@ -451,9 +453,7 @@ def _with_kind(record):
 
 
 def _overrides_terms(model):
-    from keras_tapeops.mixin import TapeOpsMixin
-
-    return type(model).compute_terms is not TapeOpsMixin.compute_terms
+    return hook_overrides.overrides(model, "compute_terms")
 
 
 def _key(kind, index, sample_weight):
@@ -463,10 +463,6 @@ def _key(kind, index, sample_weight):
         return (kind,)  # one weight vector for every output: one normalizer
     return (kind, index)
 
-
-def _batch_size(structure):
-    first = next(t for t in tf.nest.flatten(structure) if t is not None)
-    return tf.shape(first)[0]
 
 
 def _unwrapped(loss):

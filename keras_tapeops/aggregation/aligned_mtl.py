@@ -13,7 +13,7 @@ choice and torchjd's default), `"median"` (the lower median) or `"rmse"`
 import tensorflow as tf
 
 from keras_tapeops import validation
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register
 

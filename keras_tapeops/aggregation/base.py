@@ -11,7 +11,7 @@ small matrix, testable with NumPy.
 import tensorflow as tf
 
 from keras_tapeops import rows as row_ops
-from keras_tapeops.multitask.option import StepContext
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 
 

@@ -18,7 +18,7 @@ vertices and the min-norm point is taken (see `qp`).
 import tensorflow as tf
 
 from keras_tapeops import validation
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register

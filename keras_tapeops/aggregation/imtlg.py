@@ -9,7 +9,7 @@ LibMTL's `IMTL` also learns loss scales (the hybrid IMTL); that is not this.
 
 import tensorflow as tf
 
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register
 

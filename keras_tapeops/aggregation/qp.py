@@ -17,7 +17,7 @@ eigendecompositions and Cholesky solves; XLA-compatible).
 
 import tensorflow as tf
 
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 
 # 2^12 candidate supports of size <= 13: a few milliseconds on a CPU.
 MAX_TASKS = 12

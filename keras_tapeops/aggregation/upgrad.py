@@ -12,7 +12,7 @@ inside the step (`qp.dual_cone_weights`).
 import tensorflow as tf
 
 from keras_tapeops import validation
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register

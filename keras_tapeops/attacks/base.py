@@ -20,7 +20,7 @@ import numbers
 
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import validation
 from keras_tapeops.attacks import noise
 from keras_tapeops.attacks import objectives

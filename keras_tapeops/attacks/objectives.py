@@ -12,7 +12,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import selectors
 
 

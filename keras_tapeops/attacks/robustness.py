@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
-from keras_tapeops import mixin
+from keras_tapeops._keras import private
+from keras_tapeops import replicas
 from keras_tapeops import second_order
 from keras_tapeops import validation
 from keras_tapeops.attacks import objectives
@@ -146,13 +146,13 @@ def _mean_loss(model, loss, y, y_pred, sample_weight):
     # Keras's losses divide by the number of replicas inside a strategy's
     # scope (a callback may run there); undo it: this is one device's value.
     if private.compiled_loss(model) is not None:
-        value = mixin.unscale_for_distribution(
+        value = replicas.unscale_for_distribution(
             objectives.compiled_loss_value(model, y, y_pred, sample_weight)
         )
     else:
         function = keras.losses.get(loss) if isinstance(loss, str) else loss
         if isinstance(function, keras.losses.Loss):
-            value = mixin.unscale_for_distribution(
+            value = replicas.unscale_for_distribution(
                 function(y, y_pred, sample_weight=sample_weight)
             )
         else:

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 
 
 def check_model(model):

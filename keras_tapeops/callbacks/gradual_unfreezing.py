@@ -46,7 +46,7 @@ import numbers
 import keras
 import numpy as np
 
-from keras_tapeops import _keras_private
+from keras_tapeops._keras import private as _keras_private
 from keras_tapeops import selectors
 from keras_tapeops.callbacks.group_learning_rate import check_verbose
 from keras_tapeops.groups import check_selector_pair

@@ -17,7 +17,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import paths
 from keras_tapeops import selectors
 from keras_tapeops import validation

@@ -9,7 +9,7 @@ the learner divides the outer loss by the global number of tasks itself.
 import keras
 import tensorflow as tf
 
-from keras_tapeops import mixin
+from keras_tapeops import replicas
 
 # Reductions after which Keras divides the loss by the number of replicas
 # (keras.src.losses.loss.reduce_values).
@@ -71,7 +71,7 @@ class TaskLoss:
             return tf.reduce_mean(self.function(tf.cast(y_true, "float32"), y_pred))
         value = self.loss(y_true, y_pred)
         if getattr(self.loss, "reduction", None) in _SCALED_REDUCTIONS:
-            value = mixin.unscale_for_distribution(value)
+            value = replicas.unscale_for_distribution(value)
         return tf.cast(value, "float32")
 
 

@@ -48,8 +48,9 @@ from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.multitask import tasks as task_resolution
 from keras_tapeops.multitask.epochs import EpochLosses
 from keras_tapeops.multitask.metrics import TaskMetrics
-from keras_tapeops.multitask.option import StepContext
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.task_losses import recording_task_losses
+from keras_tapeops.replicas import batch_size
 
 # How rows are computed: "loop" (one backward pass per task on the
 # persistent tape) or "pfor" (one vectorized Jacobian). bench/multi_task.py
@@ -163,7 +164,7 @@ class TaskEngine(MultiGradientState):
                     targets = tf.stack(targets)  # pfor needs the stack on the tape
                 if kind == "rows" and self._has_rest(model, record):
                     rest = (total - tf.add_n(value_list)) * s
-        n = tf.cast(_batch_size(x), tf.float32)
+        n = tf.cast(batch_size(x), tf.float32)
         m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
         pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
         pass_.captured = captured
@@ -425,7 +426,3 @@ class _Pass:
             )
         return [outputs]
 
-
-def _batch_size(x):
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]

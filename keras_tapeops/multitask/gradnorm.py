@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
-from keras_tapeops.aggregation import gramian as gram
+from keras_tapeops import gramian as gram
 from keras_tapeops.multitask import learned
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register

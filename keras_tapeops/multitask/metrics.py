@@ -21,8 +21,8 @@ step adds them with two variable updates however many tasks there are.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.aggregation import gramian as gram
-from keras_tapeops.multitask import _keras_private as private
+from keras_tapeops import gramian as gram
+from keras_tapeops._keras import multitask as private
 
 
 class TaskMetrics(keras.metrics.Metric):

@@ -19,28 +19,8 @@ step's gradient is made (`kind`):
 from keras_tapeops import selectors
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multitask import tasks as task_resolution
-
-
-class StepContext:
-    """What a method sees when it computes weights or updates its state.
-
-    Attributes:
-        num_tasks: K.
-        losses: `[K]` float32 task losses (mean over the step's samples,
-            `loss_weights` applied), or None.
-        state: dict name -> the engine's variables for this method.
-        step: the optimizer's applied-step count (int64 tensor).
-        seed: an int, fixed per model (random task orders).
-        epochs: the engine's `EpochLosses`, or None.
-    """
-
-    def __init__(self, num_tasks, losses=None, state=None, step=None, seed=0, epochs=None):
-        self.num_tasks = num_tasks
-        self.losses = losses
-        self.state = state or {}
-        self.step = step
-        self.seed = seed
-        self.epochs = epochs
+from keras_tapeops.multitask.context import StepContext  # noqa: F401  (re-exported)
+from keras_tapeops.multitask.engine import TaskEngine
 
 
 class TaskBalancing(MultiGradientOption):
@@ -77,8 +57,6 @@ class TaskBalancing(MultiGradientOption):
         self.tasks = task_resolution.validate_tasks(tasks)
 
     def bind(self, model, tree):
-        from keras_tapeops.multitask.engine import TaskEngine
-
         return TaskEngine(self, model, tree)
 
     # -------------------------------------------------------- method hooks

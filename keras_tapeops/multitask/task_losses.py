@@ -12,7 +12,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_tapeops.multitask import _keras_private as private
+from keras_tapeops._keras import multitask as private
 
 
 class TaskLossRecord:

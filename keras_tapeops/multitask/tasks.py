@@ -14,7 +14,7 @@ model), so a wrong configuration is refused before any weight changes:
 """
 
 from keras_tapeops import selectors
-from keras_tapeops.multitask import _keras_private as private
+from keras_tapeops._keras import multitask as private
 
 
 def validate_tasks(tasks):

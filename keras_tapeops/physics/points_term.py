@@ -9,7 +9,7 @@ residuals to a mean. This class holds what they share.
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops.physics import replicas
 from keras_tapeops.physics.samplers import as_sampler
 from keras_tapeops.terms.base import Term

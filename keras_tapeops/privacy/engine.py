@@ -28,7 +28,7 @@ optimizer then see it like any gradient.
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import true_gradients
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses

@@ -28,9 +28,9 @@ all candidates, from the scoring pass).
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
+from keras_tapeops._keras import private
 from keras_tapeops import validation
-from keras_tapeops.mixin import batch_size
+from keras_tapeops.replicas import batch_size
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses

@@ -10,10 +10,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as keras_private
+from keras_tapeops._keras import private as keras_private
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.registration import register
-from keras_tapeops.selection import _keras_private as private
+from keras_tapeops._keras import selection as private
 from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import fraction_argument
@@ -87,7 +87,9 @@ class ReducibleLoss(SelectionOption):
 
     def bind(self, model, tree):
         if self.uses_ids:
-            private.strip_ids_before_symbolic_build(model, self.id_key)
+            private.strip_ids_before_symbolic_build(
+                model, lambda x: batches.split_ids(x, self.id_key)
+            )
         return ReducibleLossState(self)
 
     def get_config(self):

@@ -9,8 +9,8 @@ pass on `x_adv` (run with the step's `training` flag, like the clean pass).
 import keras
 import tensorflow as tf
 
-from keras_tapeops import _keras_private as private
-from keras_tapeops import mixin
+from keras_tapeops._keras import private
+from keras_tapeops import replicas
 from keras_tapeops import validation
 from keras_tapeops.attacks import noise
 from keras_tapeops.attacks import objectives
@@ -99,7 +99,7 @@ class AdversarialLoss(_AttackTerm):
             model, context.y, y_adv, context.sample_weight
         )
         # Keras's losses divide by the replicas; the step scales terms itself.
-        return mixin.unscale_for_distribution(tf.cast(value, tf.float32))
+        return replicas.unscale_for_distribution(tf.cast(value, tf.float32))
 
 
 @register

@@ -1,4 +1,4 @@
-"""The one private Keras access of the selection package (isolated here).
+"""The selection package's private Keras access: the symbolic build (Keras 3.10-3.15).
 
 Under a `tf.distribute` strategy Keras builds the model from the first data
 batch before the first step (`Trainer._symbolic_build(data_batch=...)`,
@@ -10,19 +10,23 @@ wrapper removes them from that build batch. The proper place is the mixin's
 issue 20's report); until then the wrapper is set on the model instance.
 """
 
-from keras_tapeops.selection import batch as batches
 
 
-def strip_ids_before_symbolic_build(model, id_key):
-    """Wraps `model._symbolic_build` so the build batch's `x` has no ids."""
+def strip_ids_before_symbolic_build(model, split_ids):
+    """Wraps `model._symbolic_build` so the build batch's `x` has no ids.
+
+    Args:
+        model: the model being built.
+        split_ids: `x -> (x_without_ids, ids)` (the selection's id split).
+    """
     build = type(model)._symbolic_build.__get__(model)
 
     def symbolic_build(iterator=None, data_batch=None):
         if isinstance(data_batch, tuple) and data_batch:
-            x, _ = batches.split_ids(data_batch[0], id_key)
+            x, _ = split_ids(data_batch[0])
             data_batch = (x,) + tuple(data_batch[1:])
         elif isinstance(data_batch, dict):
-            data_batch, _ = batches.split_ids(data_batch, id_key)
+            data_batch, _ = split_ids(data_batch)
         return build(iterator=iterator, data_batch=data_batch)
 
     object.__setattr__(model, "_symbolic_build", symbolic_build)

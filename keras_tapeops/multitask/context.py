@@ -1,0 +1,23 @@
+"""`StepContext`: what a multi-task method sees when it computes weights."""
+
+
+class StepContext:
+    """What a method sees when it computes weights or updates its state.
+
+    Attributes:
+        num_tasks: K.
+        losses: `[K]` float32 task losses (mean over the step's samples,
+            `loss_weights` applied), or None.
+        state: dict name -> the engine's variables for this method.
+        step: the optimizer's applied-step count (int64 tensor).
+        seed: an int, fixed per model (random task orders).
+        epochs: the engine's `EpochLosses`, or None.
+    """
+
+    def __init__(self, num_tasks, losses=None, state=None, step=None, seed=0, epochs=None):
+        self.num_tasks = num_tasks
+        self.losses = losses
+        self.state = state or {}
+        self.step = step
+        self.seed = seed
+        self.epochs = epochs
