@@ -12,28 +12,28 @@ With no keras_tapeops option every hook reduces to the stock Keras step.
 """
 
 import contextlib
-import threading
 import warnings
 
 import keras
 import tensorflow as tf
 
-from keras_tapeops._keras import private
 from keras_tapeops import accumulation
-from keras_tapeops import capture
+from keras_tapeops import forward
 from keras_tapeops import groups
+from keras_tapeops import name_checks
 from keras_tapeops import sam
+from keras_tapeops import saving
 from keras_tapeops import step_gate
+from keras_tapeops import step_watch
 from keras_tapeops import true_gradients
-from keras_tapeops.replicas import batch_size
-from keras_tapeops.replicas import scale_for_distribution
-from keras_tapeops.replicas import unscale_for_distribution
+from keras_tapeops._keras import private
 from keras_tapeops.hook_overrides import default_hook
 from keras_tapeops.hook_overrides import overrides
-from keras_tapeops.options import OPTION_NAMES
+from keras_tapeops.optimizer_checks import check_optimizer_conflicts
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.options import compile_signature
+from keras_tapeops.replicas import batch_size
 from keras_tapeops.state import ModelState
-from keras_tapeops.terms.base import TermContext
 from keras_tapeops.transforms.base import apply_in_order
 
 
@@ -64,21 +64,11 @@ class TapeOpsMixin:
     _tapeops_logging = True  # False while SAM's second pass is traced
 
     # ------------------------------------------------------------------ compile
-    def compile(
-        self,
-        *args,
-        gradient_transforms=None,
-        loss_terms=None,
-        micro_batches=1,
-        accumulation_steps=1,
-        batch_norm_updates="large_batch",
-        sharpness_aware=None,
-        task_balancing=None,
-        differential_privacy=None,
-        sample_selection=None,
-        **kwargs,
-    ):
+    def compile(self, *args, **kwargs):
         """Stock `compile()` plus the keras_tapeops options.
+
+        The options are the rows of `keras_tapeops.options.OPTIONS` (this
+        method's signature is built from that table), all keyword-only.
 
         Args:
             *args, **kwargs: everything stock `keras.Model.compile` takes.
@@ -100,17 +90,8 @@ class TapeOpsMixin:
         Returns:
             None. Raises before changing anything if an option is invalid.
         """
-        options = TapeOpsOptions(
-            gradient_transforms=gradient_transforms,
-            loss_terms=loss_terms,
-            micro_batches=micro_batches,
-            accumulation_steps=accumulation_steps,
-            batch_norm_updates=batch_norm_updates,
-            sharpness_aware=sharpness_aware,
-            task_balancing=task_balancing,
-            differential_privacy=differential_privacy,
-            sample_selection=sample_selection,
-        )
+        kwargs = dict(kwargs)
+        options = TapeOpsOptions.pop_from(kwargs)
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         check_optimizer_conflicts(optimizer, options)
         groups.check_reused_optimizer(self, optimizer)
@@ -121,7 +102,8 @@ class TapeOpsMixin:
         # compilation: a bad option leaves the model as it was.
         state = ModelState(self, options)
         state.check_names_against(
-            compile_arg_names(args, kwargs), "a metric or loss passed to compile()"
+            name_checks.compile_arg_names(args, kwargs),
+            "a metric or loss passed to compile()",
         )
         super().compile(*args, **kwargs)
         state.create_trackers()
@@ -152,23 +134,10 @@ class TapeOpsMixin:
         model-level entry has exactly that many more values loads them into
         the training state. Any other file loads as in stock Keras.
         """
-        state = self.tapeops_state
-        legacy = state.training_state_items() if state is not None else []
-        own = private.own_variables(self)
-        if legacy and len(store.keys()) == len(own) + len(legacy):
-            values = [store[str(i)] for i in range(len(own) + len(legacy))]
-            super().load_own_variables({str(i): v for i, v in enumerate(values[: len(own)])})
-            for (_, variable), value in zip(legacy, values[len(own):]):
-                variable.assign(value)
-            return
-        super().load_own_variables(store)
+        saving.load_own_variables(self, store, super().load_own_variables)
 
     def get_compile_config(self):
-        config = super().get_compile_config()
-        options = getattr(self, "_tapeops", None)
-        if config and options is not None:
-            config.update(options.get_config(self))
-        return config
+        return saving.compile_config(self, super().get_compile_config())
 
     def save(self, filepath, *args, **kwargs):
         """Stock `save()`, refusing an unsaveable configuration first.
@@ -191,12 +160,7 @@ class TapeOpsMixin:
         """
         if not self._tapeops_replays_compile(config):
             return super().compile_from_config(config)  # stock: warns, skips
-        config = dict(config)
-        ours = {k: config.pop(k) for k in OPTION_NAMES if k in config}
-        stock = keras.saving.deserialize_keras_object(config)
-        self.compile(**stock, **TapeOpsOptions.kwargs_from_config(ours))
-        if self.built and self.optimizer is not None:
-            self.optimizer.build(self.trainable_variables)
+        saving.replay_compile(self, config)
 
     def _tapeops_replays_compile(self, config):
         """True when loading may call `compile(**config)` (no compile override)."""
@@ -227,7 +191,7 @@ class TapeOpsMixin:
         return metrics
 
     def _tapeops_metrics_updated(self, state):
-        if _in_replaced_step(self):
+        if step_watch.in_replaced_step(self):
             return False
         step = "test" if self._tapeops_evaluating else "train"
         return step not in state.replaced_steps
@@ -314,58 +278,14 @@ class TapeOpsMixin:
         """
         self.build_tapeops()
         self._check_logged_names()
-        with self._watching_step(f"{kind}_step"):
+        step = f"{kind}_step"
+        with step_watch.watching_step(
+            self, step, getattr(type(self), step) is not getattr(TapeOpsMixin, step)
+        ):
             stock_make(force=force)
         name = f"{kind}_function"
         setattr(self, name, private.with_multi_worker_logs(self, getattr(self, name)))
         return getattr(self, name)
-
-    @contextlib.contextmanager
-    def _watching_step(self, name):
-        """While Keras makes its step function, an overridden step is watched.
-
-        Keras wraps `self.train_step` (`test_step`) when it makes the
-        function; if the class overrides it, the function gets a wrapper that
-        records whether the override reached the mixin's step (`super()`).
-        One that did not replaces the keras_tapeops step: `_step_replaced`
-        warns and hides the metrics nothing updates.
-        """
-        state = self.tapeops_state
-        if state is None or getattr(type(self), name) is getattr(TapeOpsMixin, name):
-            yield
-            return
-        override = getattr(self, name)
-
-        def watched(data):
-            with _step_record(self) as record:
-                outputs = override(data)
-            if not record["ran"]:
-                self._step_replaced(name)
-            return outputs
-
-        object.__setattr__(self, name, watched)  # an instance attribute, for Keras to wrap
-        try:
-            yield
-        finally:
-            object.__delattr__(self, name)
-
-    def _step_replaced(self, name):
-        """A `name` override ran without the mixin's step: warn once, hide metrics."""
-        state = self.tapeops_state
-        step = "train" if name == "train_step" else "test"
-        if state is None or step in state.replaced_steps:
-            return
-        state.replaced_steps.add(step)
-        applied = state.options.set_option_names()
-        if step == "train" and applied:
-            warnings.warn(
-                f"{type(self).__name__}.train_step does not call "
-                "super().train_step(data), so the keras_tapeops options "
-                f"compiled into this model ({', '.join(applied)}) are not "
-                "applied by it, and their metrics are not logged. Call "
-                "super().train_step(data) in it, or compile without them.",
-                stacklevel=2,
-            )
 
     def build_tapeops(self):
         """Binds this model's state to its variables once they exist; returns it.
@@ -382,7 +302,7 @@ class TapeOpsMixin:
 
     # -------------------------------------------------------------- the steps
     def train_step(self, data):
-        _mark_step_ran(self)
+        step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self.build_tapeops()
         self._check_logged_names_before_forward(data)
@@ -398,7 +318,7 @@ class TapeOpsMixin:
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
-        _mark_step_ran(self)
+        step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.build_tapeops()
         self._check_logged_names_before_forward(data)
@@ -484,35 +404,10 @@ class TapeOpsMixin:
             `(loss, y_pred)`: the replica-scaled total loss (not yet
             optimizer-scaled) and the model's outputs.
         """
-        state = self.tapeops_state
-        terms = state.active_terms(training) if state is not None else []
-        with self._forward_recorder(terms, x) as recorder:
-            y_pred = private.call_model(self, x, training)
-        loss = private.compute_loss(self, x, y, y_pred, sample_weight, training)
-        n = batch_size(x)
-        context = TermContext(
-            self, x, y, y_pred, sample_weight, training,
-            recorder["activations"], recorder["tape"], recorder["watched"],
+        return forward.forward_and_loss(
+            self, x, y, sample_weight, training, self.compute_terms,
+            log=self._tapeops_logging,
         )
-        values = list(self.compute_terms(terms, context))
-        if values:
-            # A batch of zero samples (a term's mean over nothing is nan)
-            # adds nothing, as stock Keras's loss does; the gradient of the
-            # masked value is zero, not nan.
-            values = [
-                tf.where(n > 0, tf.cast(v, "float32"), 0.0) for v in values
-            ]
-        if self._tapeops_logging:
-            for (term, _), value in zip(terms, values):
-                state.term_trackers[term.name].update_state(value, sample_weight=n)
-        if values:
-            total = tf.add_n([tf.cast(v, "float32") for v in values])
-            loss = loss + tf.cast(scale_for_distribution(total), loss.dtype)
-        if self._tapeops_logging:
-            private.loss_tracker(self).update_state(
-                unscale_for_distribution(loss), sample_weight=n
-            )
-        return loss, y_pred
 
     @default_hook
     def compute_terms(self, terms, context):
@@ -542,15 +437,7 @@ class TapeOpsMixin:
         ```
         """
         step = self.optimizer.iterations if self.optimizer is not None else 0
-        values = []
-        for term, state in terms:
-            context.state = state
-            values.append(
-                tf.cast(term.weight_at(step), "float32")
-                * tf.cast(term.call(context), "float32")
-            )
-        context.state = None
-        return values
+        return forward.weighted_term_values(terms, context, step)
 
     def update_weights(self, grads, n_samples):
         """Applies `grads` now, or adds them to the cross-batch window.
@@ -631,176 +518,15 @@ class TapeOpsMixin:
 
     # ---------------------------------------------------------------- helpers
     def _check_logged_names(self, y=None, y_pred=None):
-        """Raises if a name the options log is also a name stock Keras logs.
-
-        Runs before the step function is made (Keras has built the compiled
-        metrics and per-output losses symbolically by then) and, as a
-        fallback, in the first traced step (given `y`, `y_pred` it builds
-        them). Both are before any weight update. `compile()` already checked
-        the names its arguments show. A failed check stores nothing:
-        compiling again with a free name works.
-        """
-        state = self.tapeops_state
-        if state is None or state.metric_names_checked or not state.variables_bound:
-            return
-        if state.logged_metrics:
-            taken = private.logged_metric_names(self, super().metrics, y, y_pred)
-            if taken is None:
-                return  # not known yet: checked in the first step
-            state.check_names_against(taken, "a metric of the model")
-        state.metric_names_checked = True
+        """The logged-name check (see `keras_tapeops.name_checks`)."""
+        name_checks.check_logged_names(self, super().metrics, y, y_pred)
 
     def _check_logged_names_before_forward(self, data):
-        """The name check, before an eager step's forward pass changes anything.
-
-        A traced step only raises at trace time (nothing has run), so
-        checking after its forward pass is early enough; an eager one
-        (`run_eagerly=True`) builds the model and Keras's compiled metrics
-        and loss symbolically first, as Keras does under a distribution
-        strategy.
-        """
-        state = self.tapeops_state
-        logs_names = state is not None and (
-            state.options.loss_terms or state.options.gradient_transforms
-            or state.engine is not None
-        )
-        if logs_names and not state.metric_names_checked and tf.executing_eagerly():
+        """The name check, before an eager step's forward pass changes anything."""
+        if name_checks.needs_eager_build(self):
             private.symbolic_build(self, data)  # builds the model too, if needed
             self.build_tapeops()
         self._check_logged_names()
 
-    @contextlib.contextmanager
-    def _forward_recorder(self, terms, x):
-        layers = [
-            layer for term, state in terms for layer in term.layers_to_capture(state)
-        ]
-        wants_input_grads = any(term.needs_input_gradients for term, _ in terms)
-        record = {"activations": {}, "tape": None, "watched": None}
-        with capture.recording_outputs(layers) as activations:
-            record["activations"] = activations
-            if not wants_input_grads:
-                yield record
-                return
-            flat = tf.nest.flatten(x)
-            watched = [
-                t is not None and tf.as_dtype(t.dtype).is_floating for t in flat
-            ]
-            with tf.GradientTape(
-                persistent=True, watch_accessed_variables=False
-            ) as tape:
-                for tensor, watch in zip(flat, watched):
-                    if watch:
-                        tape.watch(tensor)
-                record["tape"] = tape
-                record["watched"] = watched
-                yield record
 
-
-def compile_arg_names(args, kwargs):
-    """Names Keras will log that `compile()`'s arguments already show.
-
-    "loss", metrics given by name or as objects, and the per-output losses
-    of a dict loss; names Keras resolves later (per-output losses of a list
-    loss, metrics of several outputs) are checked before the first step.
-
-    Args:
-        args, kwargs: the stock `compile()` arguments.
-
-    Returns:
-        A set of names.
-    """
-    names = {"loss"}
-    for key in ("metrics", "weighted_metrics"):
-        for metric in tf.nest.flatten(kwargs.get(key) or []):
-            name = metric if isinstance(metric, str) else getattr(metric, "name", None)
-            if name:
-                names.add(name)
-    loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
-    if isinstance(loss, dict):
-        names.update(f"{output}_loss" for output in loss)
-    return names
-
-
-_STEP_RECORDS = threading.local()  # per thread: replicas trace in their own
-
-
-@contextlib.contextmanager
-def _step_record(model):
-    """Records, for one call of an overridden step, whether the mixin's step ran."""
-    records = _STEP_RECORDS.__dict__.setdefault("records", [])
-    record = {"model": model, "ran": False}
-    records.append(record)
-    try:
-        yield record
-    finally:
-        records.pop()
-
-
-def _innermost_record(model):
-    for record in reversed(getattr(_STEP_RECORDS, "records", [])):
-        if record["model"] is model:
-            return record
-    return None
-
-
-def _mark_step_ran(model):
-    record = _innermost_record(model)
-    if record is not None:
-        record["ran"] = True
-
-
-def _in_replaced_step(model):
-    """True inside an overridden step that has not (yet) reached the mixin's."""
-    record = _innermost_record(model)
-    return record is not None and not record["ran"]
-
-
-_OPTIMIZER_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
-
-
-def check_optimizer_conflicts(optimizer, options):
-    """Refuses optimizer options that keras_tapeops options would stack on.
-
-    - the optimizer's `clipnorm`/`clipvalue`/`global_clipnorm` with
-      `gradient_transforms`: clip with `kt.ClipByNorm`/`kt.ClipByValue`/
-      `kt.ClipByGlobalNorm` in the transform list instead (they act on true
-      gradients, in list order);
-    - the optimizer's `gradient_accumulation_steps` with `micro_batches`,
-      `accumulation_steps` or `gradient_transforms`: use `accumulation_steps`
-      (the optimizer would accumulate after the transforms, and windows
-      would multiply: 4 x 2 = 8 batches).
-
-    Args:
-        optimizer: what was passed to `compile(optimizer=...)` (a name, an
-            instance, a LossScaleOptimizer, or None).
-        options: the validated `TapeOpsOptions`.
-
-    Returns:
-        None. Raises ValueError naming both options.
-    """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        return
-    for inner in private.sub_optimizers(optimizer):  # groups of a MultiOptimizer too
-        _check_one_optimizer(inner, options)
-
-
-def _check_one_optimizer(inner, options):
-    if options.gradient_transforms:
-        for name in _OPTIMIZER_CLIPPING:
-            value = getattr(inner, name, None)
-            if value is not None:
-                raise ValueError(
-                    f"The optimizer's `{name}` would clip on top of "
-                    "`gradient_transforms`. Put the clipping in the transform "
-                    "list instead (kt.ClipByNorm, kt.ClipByValue or "
-                    "kt.ClipByGlobalNorm replace clipnorm, clipvalue and "
-                    f"global_clipnorm). Received: {name}={value!r}"
-                )
-    steps = getattr(inner, "gradient_accumulation_steps", None)
-    if steps and (options.accumulates or options.gradient_transforms):
-        raise ValueError(
-            "The optimizer's `gradient_accumulation_steps` cannot be combined "
-            "with keras_tapeops' micro_batches, accumulation_steps or "
-            "gradient_transforms: compile(accumulation_steps=k) replaces it. "
-            f"Received: gradient_accumulation_steps={steps!r}"
-        )
+TapeOpsMixin.compile.__signature__ = compile_signature(TapeOpsMixin.compile)

@@ -4,6 +4,8 @@ What a model resolves from them (bound transforms and terms, trackers, the
 accumulator) is that model's own state: see `keras_tapeops.state`.
 """
 
+import inspect
+
 import keras
 
 from keras_tapeops import validation
@@ -16,14 +18,7 @@ from keras_tapeops.sam import SAM
 from keras_tapeops.terms.base import Term
 from keras_tapeops.transforms.base import GradientTransform
 
-OPTION_NAMES = (
-    "gradient_transforms",
-    "loss_terms",
-    "micro_batches",
-    "accumulation_steps",
-    "batch_norm_updates",
-    "sharpness_aware",
-) + MULTI_GRADIENT_OPTIONS
+BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
 
 # What each multi-gradient option expects, for the TypeError message.
 _MULTI_GRADIENT_EXAMPLES = {
@@ -32,11 +27,132 @@ _MULTI_GRADIENT_EXAMPLES = {
     "sample_selection": "kt.TopLoss(fraction=0.25)",
 }
 
-BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
+
+class Option:
+    """One row of the option table: a `compile()` keyword argument.
+
+    Args:
+        name: the keyword.
+        default: its default (the stock step).
+        kind: `"list"` (a list of serializable objects), `"int"` (a
+            positive count), `"choice"` (one of `choices`) or `"object"`
+            (None or one serializable object).
+        validate: `value -> validated value`, raising TypeError/ValueError
+            naming the argument.
+        doc: one line for `compile()`'s docstring.
+    """
+
+    def __init__(self, name, default, kind, validate, doc):
+        self.name = name
+        self.default = default
+        self.kind = kind
+        self.validate = validate
+        self.doc = doc
+
+    def is_set(self, value):
+        """True when `value` changes the stock step."""
+        if self.kind == "list":
+            return bool(value)
+        if self.kind == "int":
+            return value > 1
+        if self.kind == "object":
+            return value is not None
+        return False  # a choice only matters with another option set
+
+    def label(self, value):
+        """How `set_option_names` shows a set value."""
+        return f"{self.name}={value}" if self.kind == "int" else self.name
+
+    def serialize(self, value, model):
+        if self.kind == "list":
+            return serialize_all(value, model)
+        if self.kind == "object":
+            return serialize_all([value], model)[0] if value is not None else None
+        return value
+
+    def deserialize(self, value):
+        if self.kind == "list" and value:
+            return [keras.saving.deserialize_keras_object(c) for c in value]
+        if self.kind == "object" and value:
+            return keras.saving.deserialize_keras_object(value)
+        return value
+
+
+def _transforms(value):
+    return validation.instances(
+        value, GradientTransform, "gradient_transforms",
+        "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
+    )
+
+
+def _terms(value):
+    terms = validation.instances(
+        value, Term, "loss_terms",
+        "loss term (e.g. kt.LossTerm(fn) or kt.ActivationPenalty(...))",
+    )
+    _check_term_names(terms)
+    return terms
+
+
+def _sam(value):
+    if value is not None and not isinstance(value, SAM):
+        raise TypeError(
+            "`sharpness_aware` must be None or a kt.SAM (e.g. "
+            f"kt.SAM(rho=0.05)). Received: sharpness_aware={value!r}"
+        )
+    return value
+
+
+def _multi_gradient(name):
+    def validate(value):
+        if value is not None and not (
+            isinstance(value, MultiGradientOption) and value.option_name == name
+        ):
+            raise TypeError(
+                f"`{name}` must be None or a {name} option (e.g. "
+                f"{_MULTI_GRADIENT_EXAMPLES[name]}). Received: {name}={value!r}"
+            )
+        return value
+
+    return validate
+
+
+# The one table of compile options, in pipeline order: it drives `compile()`'s
+# signature, validation, `get_config`, `set_option_names` and the combination
+# checks (`multi_gradient.check_combinations`).
+OPTIONS = (
+    Option("gradient_transforms", None, "list", _transforms,
+           "list of `kt.GradientTransform`, applied in order to the true "
+           "(unscaled, replica-aggregated) gradients."),
+    Option("loss_terms", None, "list", _terms,
+           "list of loss terms added inside the training tape."),
+    Option("micro_batches", 1, "int",
+           lambda v: validation.positive_int(v, "micro_batches"),
+           "split every batch into this many micro-batches."),
+    Option("accumulation_steps", 1, "int",
+           lambda v: validation.positive_int(v, "accumulation_steps"),
+           "batches per optimizer step."),
+    Option("batch_norm_updates", "large_batch", "choice",
+           lambda v: validation.choice(v, "batch_norm_updates", BATCH_NORM_UPDATES),
+           '`"large_batch"` or `"per_micro_batch"`: how BatchNormalization '
+           "moving statistics follow `micro_batches`."),
+    Option("sharpness_aware", None, "object", _sam,
+           "None or a `kt.SAM`: sharpness-aware minimization."),
+) + tuple(
+    Option(name, None, "object", _multi_gradient(name),
+           f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).")
+    for name in MULTI_GRADIENT_OPTIONS
+)
+
+OPTION_NAMES = tuple(option.name for option in OPTIONS)
+OPTION_DEFAULTS = {option.name: option.default for option in OPTIONS}
 
 
 class TapeOpsOptions(ConfigRepr):
     """The keras_tapeops options of one `compile()` call, validated.
+
+    Takes the keyword arguments of the option table (`OPTIONS`), each
+    validated by its row; then the combination rules.
 
     Args:
         gradient_transforms: list of `GradientTransform`, applied in order.
@@ -47,6 +163,8 @@ class TapeOpsOptions(ConfigRepr):
             moving statistics are updated: `"large_batch"` (one update with
             the whole batch's statistics, as stock Keras on the large batch)
             or `"per_micro_batch"` (one update per micro-batch).
+        sharpness_aware, task_balancing, differential_privacy,
+            sample_selection: None or the option's object.
 
     Returns:
         An immutable options object (one may serve several models); raises
@@ -58,55 +176,29 @@ class TapeOpsOptions(ConfigRepr):
     ```
     """
 
-    def __init__(
-        self,
-        gradient_transforms=None,
-        loss_terms=None,
-        micro_batches=1,
-        accumulation_steps=1,
-        batch_norm_updates="large_batch",
-        sharpness_aware=None,
-        task_balancing=None,
-        differential_privacy=None,
-        sample_selection=None,
-    ):
-        self.gradient_transforms = validation.instances(
-            gradient_transforms, GradientTransform, "gradient_transforms",
-            "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
-        )
-        self.loss_terms = validation.instances(
-            loss_terms, Term, "loss_terms",
-            "loss term (e.g. kt.LossTerm(fn) or kt.ActivationPenalty(...))",
-        )
-        _check_term_names(self.loss_terms)
-        self.micro_batches = validation.positive_int(micro_batches, "micro_batches")
-        self.accumulation_steps = validation.positive_int(
-            accumulation_steps, "accumulation_steps"
-        )
-        self.batch_norm_updates = validation.choice(
-            batch_norm_updates, "batch_norm_updates", BATCH_NORM_UPDATES
-        )
-        if sharpness_aware is not None and not isinstance(sharpness_aware, SAM):
+    def __init__(self, **kwargs):
+        unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+        if unknown:
             raise TypeError(
-                "`sharpness_aware` must be None or a kt.SAM (e.g. "
-                f"kt.SAM(rho=0.05)). Received: sharpness_aware={sharpness_aware!r}"
+                f"Unknown keras_tapeops option(s): {', '.join(unknown)}. "
+                f"The options are: {', '.join(OPTION_NAMES)}. Received: {unknown}"
             )
-        self.sharpness_aware = sharpness_aware
-        given = {
-            "task_balancing": task_balancing,
-            "differential_privacy": differential_privacy,
-            "sample_selection": sample_selection,
-        }
-        for name, value in given.items():
-            if value is not None and not (
-                isinstance(value, MultiGradientOption) and value.option_name == name
-            ):
-                raise TypeError(
-                    f"`{name}` must be None or a {name} option (e.g. "
-                    f"{_MULTI_GRADIENT_EXAMPLES[name]}). Received: {name}={value!r}"
-                )
-            setattr(self, name, value)
+        for option in OPTIONS:
+            setattr(self, option.name, option.validate(kwargs.get(option.name, option.default)))
         check_combinations(self)
+
+    @classmethod
+    def pop_from(cls, kwargs):
+        """Validated options from (and removed from) `compile()`'s kwargs.
+
+        Args:
+            kwargs: a dict of `compile()` keyword arguments; the option
+                keywords are removed from it, the stock ones stay.
+
+        Returns:
+            A `TapeOpsOptions`.
+        """
+        return cls(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
 
     @property
     def multi_gradient(self):
@@ -133,14 +225,7 @@ class TapeOpsOptions(ConfigRepr):
     @property
     def is_stock(self):
         """True when no option changes the stock step."""
-        return not (
-            self.gradient_transforms
-            or self.loss_terms
-            or self.micro_batches > 1
-            or self.accumulation_steps > 1
-            or self.sharpness_aware is not None
-            or self.multi_gradient is not None
-        )
+        return not self.set_option_names()
 
     def set_option_names(self):
         """The options that change the stock step, as `compile()` arguments.
@@ -149,17 +234,11 @@ class TapeOpsOptions(ConfigRepr):
             A list such as `["gradient_transforms", "micro_batches=2"]`;
             empty when `is_stock`.
         """
-        names = [n for n in ("gradient_transforms", "loss_terms") if getattr(self, n)]
-        names += [
-            f"{n}={getattr(self, n)}"
-            for n in ("micro_batches", "accumulation_steps")
-            if getattr(self, n) > 1
+        return [
+            option.label(getattr(self, option.name))
+            for option in OPTIONS
+            if option.is_set(getattr(self, option.name))
         ]
-        names += [
-            n for n in ("sharpness_aware",) + MULTI_GRADIENT_OPTIONS
-            if getattr(self, n) is not None
-        ]
-        return names
 
     @property
     def accumulates(self):
@@ -178,39 +257,36 @@ class TapeOpsOptions(ConfigRepr):
             callable that could not be loaded back.
         """
         return {
-            "gradient_transforms": serialize_all(self.gradient_transforms, model),
-            "loss_terms": serialize_all(self.loss_terms, model),
-            "micro_batches": self.micro_batches,
-            "accumulation_steps": self.accumulation_steps,
-            "batch_norm_updates": self.batch_norm_updates,
-            "sharpness_aware": (
-                serialize_all([self.sharpness_aware], model)[0]
-                if self.sharpness_aware is not None
-                else None
-            ),
-            **{
-                name: (
-                    serialize_all([getattr(self, name)], model)[0]
-                    if getattr(self, name) is not None
-                    else None
-                )
-                for name in MULTI_GRADIENT_OPTIONS
-            },
+            option.name: option.serialize(getattr(self, option.name), model)
+            for option in OPTIONS
         }
 
     @staticmethod
     def kwargs_from_config(config):
         """Returns compile() keyword arguments from `get_config()` output."""
         kwargs = dict(config)
-        for key in ("gradient_transforms", "loss_terms"):
-            if kwargs.get(key):
-                kwargs[key] = [
-                    keras.saving.deserialize_keras_object(c) for c in kwargs[key]
-                ]
-        for key in ("sharpness_aware",) + MULTI_GRADIENT_OPTIONS:
-            if kwargs.get(key):
-                kwargs[key] = keras.saving.deserialize_keras_object(kwargs[key])
+        for option in OPTIONS:
+            if option.name in kwargs:
+                kwargs[option.name] = option.deserialize(kwargs[option.name])
         return kwargs
+
+
+def compile_signature(compile_method):
+    """`compile(self, *args, <the table's options, keyword-only>, **kwargs)`.
+
+    Args:
+        compile_method: the mixin's `compile` (`(self, *args, **kwargs)`).
+
+    Returns:
+        An `inspect.Signature` for `help()`, IDEs and `inspect.signature`.
+    """
+    parameters = list(inspect.signature(compile_method).parameters.values())
+    var_keyword = parameters.pop()
+    options = [
+        inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default)
+        for option in OPTIONS
+    ]
+    return inspect.Signature(parameters + options + [var_keyword])
 
 
 def _check_term_names(terms):

@@ -141,20 +141,34 @@ class SelectionState(MultiGradientState):
         return grads, y_pred
 
     def _log(self, n, k, losses, kept_losses, weights):
-        """Logs the diagnostics; `weights` only for reweighting without selection."""
+        """Logs the diagnostics; `weights` only for reweighting without selection.
+
+        Each non-empty batch counts once in the epoch's means; an empty batch
+        (zero candidates) adds nothing, as it adds nothing to stock Keras's
+        logged loss (its means over zero examples would be nan).
+        """
+        present = tf.cast(n > 0, "float32")
         if weights is not None:
             # Reweighting: the weighted share of the batch that trains.
             share = tf.reduce_sum(weights) / tf.cast(tf.maximum(n, 1), "float32")
-        else:
-            share = tf.cast(k, "float32") / tf.cast(tf.maximum(n, 1), "float32")
-        kept_loss = tf.reduce_mean(kept_losses)
-        if weights is not None:  # the weighted mean: what the weights keep
+            # The weighted mean: what the weights keep.
             kept_loss = tf.math.divide_no_nan(
                 tf.reduce_sum(weights * kept_losses), tf.reduce_sum(weights)
             )
-        self.metrics["selection_fraction"].update_state(share)
-        self.metrics["selection_batch_loss"].update_state(tf.reduce_mean(losses))
-        self.metrics["selection_kept_loss"].update_state(kept_loss)
+        else:
+            share = tf.cast(k, "float32") / tf.cast(tf.maximum(n, 1), "float32")
+            kept_loss = _mean_or_zero(kept_losses)
+        self.metrics["selection_fraction"].update_state(share, sample_weight=present)
+        self.metrics["selection_batch_loss"].update_state(
+            _mean_or_zero(losses), sample_weight=present
+        )
+        self.metrics["selection_kept_loss"].update_state(kept_loss, sample_weight=present)
+
+
+def _mean_or_zero(values):
+    """The mean of a `[m]` tensor, 0 when `m = 0` (not nan)."""
+    count = tf.cast(tf.shape(values)[0], "float32")
+    return tf.math.divide_no_nan(tf.reduce_sum(values), count)
 
 
 def _times(sample_weight, weights):

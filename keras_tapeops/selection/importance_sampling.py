@@ -99,8 +99,31 @@ class ImportanceSamplingState(SelectionState):
         q = self.probabilities(self.scores(model, y, sample_weight, losses, y_pred))
         n = tf.shape(q)[0]
         k = batches.kept_count(self.schedule_variable, n)
-        indices = tf.random.stateless_categorical(
-            tf.math.log(tf.maximum(q, 1e-30))[None, :], k, self.seeds.next(), dtype="int32"
-        )[0]
+        indices = draw_with_replacement(q, k, self.seeds.next())
         weights = 1.0 / (tf.cast(n, "float32") * tf.gather(q, indices))
         return indices, weights
+
+
+def draw_with_replacement(probabilities, k, seed):
+    """`k` indices drawn with replacement, index i with probability `probabilities[i]`.
+
+    Inverse-CDF sampling with stateless uniforms: `u ~ U[0, total)`, the
+    index is the first one whose cumulative sum exceeds `u`. Unlike
+    `tf.random.stateless_categorical` it compiles under XLA and accepts an
+    empty batch (`k = 0` draws nothing).
+
+    Args:
+        probabilities: float32 `[n]`, non-negative (need not sum to one).
+        k: int32 scalar, the number of draws.
+        seed: `[2]` int64 seed of `tf.random.stateless_uniform`.
+
+    Returns:
+        int32 `[k]` indices in `[0, n)`.
+    """
+    cumulative = tf.cumsum(tf.cast(probabilities, "float32"))
+    total = tf.reduce_sum(tf.cast(probabilities, "float32"))
+    uniform = tf.random.stateless_uniform(tf.reshape(k, [1]), seed, dtype="float32")
+    indices = tf.searchsorted(cumulative, uniform * total, side="right", out_type="int32")
+    # u * total rounds up to total at worst: clamp to the last index.
+    n = tf.shape(probabilities)[0]
+    return tf.minimum(indices, tf.maximum(n - 1, 0))

@@ -82,21 +82,34 @@ class SelectiveBackpropState(SelectionState):
         self.variables += [self.history, self.seen, self.seeds.counter]
 
     def keep_probabilities(self, losses):
-        """Adds `losses` to the history; returns `P(loss_i)^beta` (float32 `[n]`)."""
+        """Adds the finite `losses` to the history; returns `P(loss_i)^beta` (float32 `[n]`).
+
+        A non-finite loss (a NaN example) is not written to the history (it
+        would stay there for `history_size` losses) and gets keep probability
+        0 (no loss in the history is <= nan); an empty batch writes nothing.
+        """
+        losses = tf.cast(losses, "float32")
         size = tf.shape(self.history, out_type="int64")[0]
-        n = tf.shape(losses, out_type="int64")[0]
+        finite = tf.math.is_finite(losses)
+        written = tf.cast(finite, "int64")
         seen = self.seen.read_value()
-        slots = tf.math.floormod(seen + tf.range(n, dtype="int64"), size)
-        history = tf.tensor_scatter_nd_update(
-            self.history.read_value(), slots[:, None], tf.cast(losses, "float32")
+        # Finite losses take consecutive ring slots; the others go to a spare
+        # slot past the end, dropped below.
+        slots = tf.where(
+            finite, tf.math.floormod(seen + tf.cumsum(written) - 1, size), size
         )
+        padded = tf.concat([self.history.read_value(), tf.zeros([1])], axis=0)
+        history = tf.tensor_scatter_nd_update(
+            padded, slots[:, None], tf.where(finite, losses, 0.0)
+        )[:-1]
+        count = tf.reduce_sum(written)
         with tf.control_dependencies([history]):
             self.history.assign(history)
-            self.seen.assign_add(n)
-        valid = tf.minimum(seen + n, size)
+            self.seen.assign_add(count)
+        valid = tf.minimum(seen + count, size)
         mask = tf.cast(tf.range(size) < valid, "float32")
         below = tf.cast(history[None, :] <= losses[:, None], "float32") * mask[None, :]
-        percentile = tf.reduce_sum(below, axis=1) / tf.cast(valid, "float32")
+        percentile = tf.math.divide_no_nan(tf.reduce_sum(below, axis=1), tf.cast(valid, "float32"))
         return tf.pow(percentile, self.beta)
 
     def select(self, model, x, y, sample_weight, losses, ids, y_pred):

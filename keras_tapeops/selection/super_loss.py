@@ -95,11 +95,16 @@ class SuperLossState(SelectionState):
     def current_tau(self, losses):
         if self.option.tau is not None:
             return tf.constant(self.option.tau, "float32")
-        mean = tf.reduce_mean(losses)
+        # An empty batch (no losses) leaves the running mean as it is.
+        present = tf.shape(losses)[0] > 0
+        mean = tf.math.divide_no_nan(
+            tf.reduce_sum(losses), tf.cast(tf.shape(losses)[0], "float32")
+        )
         m = self.option.momentum
         tau = tf.where(self.started, m * self.tau + (1.0 - m) * mean, mean)
+        tau = tf.where(present, tau, self.tau)
         self.tau.assign(tau)
-        self.started.assign(True)
+        self.started.assign(tf.logical_or(self.started, present))
         return tau
 
     def select(self, model, x, y, sample_weight, losses, ids, y_pred):
