@@ -6,6 +6,7 @@ are all the linear algebra the step needs. Everything runs in float32 TF ops
 inside the step (no host round trip).
 """
 
+import functools
 import itertools
 
 import numpy as np
@@ -16,6 +17,36 @@ import tensorflow as tf
 # rounding errors of about sqrt(P) x 1.2e-7, so a tighter cutoff would turn
 # rounding noise of parallel task gradients into huge weights.
 RCOND = 1e-4
+
+
+def nan_unless_finite(weighting):
+    """Decorates `weighting(gramian, *args)`: nan weights for a non-finite Gramian.
+
+    A step whose task rows hold inf or nan (a float16 overflow under mixed
+    precision, a NaN target) has a non-finite Gramian, on which the
+    eigendecompositions and Cholesky factorizations of the weightings fail
+    with an error ("Self-adjoint eigen decomposition was not successful")
+    that stops `fit`. The decorated weighting runs on a zero Gramian
+    instead and returns nan weights, so the aggregated gradient is
+    non-finite and the step is skipped as stock Keras skips it (the
+    LossScaleOptimizer skips it and lowers its scale; `kt.SkipNonFinite`
+    skips it).
+
+    Args:
+        weighting: `f(gramian, *args, **kwargs) -> [K]` float32 weights.
+
+    Returns:
+        The same function, safe on non-finite input.
+    """
+
+    @functools.wraps(weighting)
+    def safe(gramian, *args, **kwargs):
+        gramian = tf.convert_to_tensor(gramian, tf.float32)
+        finite = tf.reduce_all(tf.math.is_finite(gramian))
+        weights = weighting(tf.where(finite, gramian, 0.0), *args, **kwargs)
+        return tf.where(finite, weights, float("nan"))
+
+    return safe
 
 
 def normalize(gramian, eps):

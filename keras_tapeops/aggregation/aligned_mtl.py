@@ -20,6 +20,7 @@ from keras_tapeops.registration import register
 SCALE_MODES = ("min", "median", "rmse")
 
 
+@gram.nan_unless_finite
 def aligned_mtl_weights(gramian, scale_mode="min"):
     """Aligned-MTL's weights (on the trace-normalized Gramian; scale-free).
 

@@ -24,6 +24,7 @@ from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register
 
 
+@gram.nan_unless_finite
 def cagrad_weights(gramian, c, rescale=1):
     """CAGrad's weights: `d = weights^T J`.
 

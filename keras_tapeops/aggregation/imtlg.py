@@ -14,6 +14,7 @@ from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register
 
 
+@gram.nan_unless_finite
 def imtlg_weights(gramian):
     """IMTL-G's weights (computed on the trace-normalized Gramian; scale-free).
 

@@ -32,6 +32,7 @@ from keras_tapeops.registration import register
 NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 
 
+@gram.nan_unless_finite
 def mgda_weights(gramian, losses=None, normalization="none"):
     """MGDA's weights: the min-norm convex combination of the (normalized) rows.
 

@@ -18,6 +18,7 @@ from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.registration import register
 
 
+@gram.nan_unless_finite
 def upgrad_weights(gramian, norm_eps=1e-4, reg_eps=1e-4):
     """UPGrad's weights: the sum of the dual-cone projections of `e_i / K`.
 

@@ -8,6 +8,15 @@ reference code) along `J_softmax^T delta`, `delta_k` the drop of
 weight. As in the reference code (official FAMO and LibMTL) the minimum
 losses are 0 and 1e-8 is added inside the logs; losses must be positive.
 
+A task whose batch loss is 0 or negative (e.g. all its sample weights are
+0 because its labels are missing from the batch) is absent from that step:
+its weight is 0 and the others are computed from the present tasks alone
+(`z_k / (c L_k)` with `c` summed over them), and the logits move only on
+the log drops of tasks present at both steps (an absent task's drop is 0;
+it keeps its last positive loss as its previous one). Without this, its
+`1 / (L_k + 1e-8) = 1e8` would dominate `c` and zero every other task's
+weight, stopping all training.
+
 Difference from the reference code: it runs a second forward pass on the
 same batch after the update to measure `delta`; here `delta` compares the
 step's loss with the previous step's (next-batch losses, no extra forward
@@ -24,6 +33,15 @@ from keras_tapeops import validation
 from keras_tapeops.multitask import learned
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
+
+
+def present_tasks(losses):
+    """Tasks that take part in a step: those with a positive (finite or not) loss.
+
+    A task whose batch loss is 0 (e.g. every sample weight of its output is
+    0: its labels are missing in this batch) or negative is absent.
+    """
+    return tf.cast(losses, tf.float32) > 0.0
 
 
 @register
@@ -59,17 +77,28 @@ class FAMO(TaskBalancing):
         }
 
     def pass_weights(self, context):
+        losses = tf.cast(context.losses, tf.float32)
+        present = present_tasks(losses)
         z = tf.nn.softmax(tf.convert_to_tensor(context.state["logits"]))
-        shifted = context.losses + 1e-8
-        c = tf.reduce_sum(z / shifted)
-        return z / (c * shifted)
+        # An absent task (loss <= 0) takes no part: its 1 / L_k would
+        # otherwise dominate c and zero every other task's weight.
+        inverse = tf.where(present, 1.0 / tf.where(present, losses + 1e-8, 1.0), 0.0)
+        c = tf.reduce_sum(z * inverse)
+        return tf.math.divide_no_nan(z * inverse, c)
 
     def update(self, context, gramian=None):
         state = context.state
-        current = context.losses
-        finite = tf.reduce_all(tf.math.is_finite(tf.math.log(current + 1e-8)))
-        delta = tf.math.log(tf.convert_to_tensor(state["previous_losses"]) + 1e-8) - tf.math.log(
-            current + 1e-8
+        current = tf.cast(context.losses, tf.float32)
+        previous = tf.convert_to_tensor(state["previous_losses"])
+        finite = tf.reduce_all(tf.math.is_finite(tf.math.log(tf.maximum(current, 0.0) + 1e-8)))
+        # A task present now and at its previous step contributes its log
+        # drop; the others contribute 0 this step.
+        both = tf.logical_and(present_tasks(current), present_tasks(previous))
+        delta = tf.where(
+            both,
+            tf.math.log(tf.where(both, previous, 1.0) + 1e-8)
+            - tf.math.log(tf.where(both, current, 1.0) + 1e-8),
+            0.0,
         )
         z = tf.nn.softmax(tf.convert_to_tensor(state["logits"]))
         grad = z * (delta - tf.reduce_sum(z * delta))
@@ -78,7 +107,9 @@ class FAMO(TaskBalancing):
             state, "logits", tf.where(apply, grad, 0.0), self.learning_rate,
             weight_decay=self.weight_decay, apply=apply,
         )
-        state["previous_losses"].assign(tf.where(finite, current, state["previous_losses"]))
+        # An absent task keeps its last present loss as its "previous" one.
+        keep_new = tf.logical_and(finite, present_tasks(current))
+        state["previous_losses"].assign(tf.where(keep_new, current, previous))
         state["has_previous"].assign(tf.where(finite, 1.0, state["has_previous"]))
 
     def micro_batch_refusal(self, replicas):
