@@ -31,6 +31,16 @@ def _dp_accounting():
     return dp_accounting
 
 
+def require_dp_accounting():
+    """Raises ImportError (with the install command) if `dp-accounting` is missing.
+
+    Returns:
+        None. Call it before training starts (`PrivacyBudget` does, in
+        `on_train_begin`), so a missing package fails before any step.
+    """
+    _dp_accounting()
+
+
 def dp_event(steps, sampling_rate, noise_multiplier):
     """The `dp_accounting` event of a DP-SGD run (Poisson sampling, Gaussian noise).
 

@@ -17,6 +17,15 @@ One (micro-)batch, one forward pass (`batch_gradients`):
 4. the per-replica clipped sums go through the step's pipeline
    (micro-batches, accumulation windows, the all-reduce) as sums.
 
+An example whose loss or per-example gradient is not finite (a NaN or Inf
+input or target) contributes zero: its clip weight is 0, the non-finite
+entries of what the rules contract are replaced by zeros (so `0 * nan`
+never reaches the sum), and it is counted in the logged metric
+`dp_nonfinite_examples` (the epoch's total). The decision depends on that
+example alone, so its influence stays bounded. Under a LossScaleOptimizer a
+non-finite gradient may be the loss scale's overflow, which the optimizer
+must see to skip the step and lower its scale: there nothing is zeroed.
+
 Once per applied step (`finalize`, on true gradients summed over replicas),
 Gaussian noise of standard deviation `C * noise_multiplier` is added to the
 sum, which is divided by the step's number of samples (rows of the global
@@ -24,6 +33,8 @@ batch, or of the accumulation window), and the gradient of the weight
 regularizers (data-independent) is added. The gradient transforms and the
 optimizer then see it like any gradient.
 """
+
+import math
 
 import keras
 import tensorflow as tf
@@ -40,10 +51,12 @@ from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
 from keras_tapeops.privacy.ghost_embedding import EmbeddingRule
 from keras_tapeops.privacy.ghost_layer_norm import LayerNormRule
 from keras_tapeops.privacy.rules import Context
+from keras_tapeops.privacy.rules import Part
 from keras_tapeops.privacy.vectorized import VectorizedRule
 from keras_tapeops.privacy.vectorized import rows_parts
 
 AUTO_RULES = (DenseRule, EinsumDenseRule, EmbeddingRule, ConvRule, LayerNormRule)
+NONFINITE_METRIC = "dp_nonfinite_examples"
 
 
 class DPSGDState(MultiGradientState):
@@ -75,6 +88,13 @@ class DPSGDState(MultiGradientState):
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
+        # Examples that contributed zero because their gradient was not finite.
+        self.metrics = {NONFINITE_METRIC: keras.metrics.Sum(name=NONFINITE_METRIC)}
+        # Set (at trace time) once a batch with a mask of real examples was
+        # traced; `mask_refusal` (a message, set by kt.callbacks.PrivacyBudget
+        # when it cannot account for masked batches) refuses such a batch.
+        self.saw_mask = False
+        self.mask_refusal = None
 
     # ---------------------------------------------------------------- binding
     def bind_variables(self, model, variables, tree):
@@ -117,6 +137,11 @@ class DPSGDState(MultiGradientState):
                 "DPSGD needs targets to compute one loss per example. "
                 "Received: y=None"
             )
+        if sample_weight is not None:
+            self.saw_mask = True
+            if self.mask_refusal is not None:
+                message, self.mask_refusal = self.mask_refusal, None
+                raise ValueError(message)
 
     def batch_gradients(self, model, x, y, sample_weight, loss_multiplier=None):
         parts, losses, y_pred = self.forward_parts(model, x, y)
@@ -126,6 +151,14 @@ class DPSGDState(MultiGradientState):
         squared = tf.add_n([p.squared_norms for p in parts.values()])
         clip = tf.cast(self.option.l2_norm_clip, tf.float32)
         weights = tf.minimum(1.0, clip / tf.sqrt(squared))
+        if _zeroes_nonfinite(model.optimizer):
+            # A non-finite example's norm is +inf (see `_parts`): weight 0.
+            finite = tf.math.is_finite(squared)
+            weights = tf.where(finite, weights, 0.0)
+            nonfinite = 1.0 - tf.cast(finite, tf.float32)
+            if mask is not None:
+                nonfinite = nonfinite * mask
+            self.metrics[NONFINITE_METRIC].update_state(tf.reduce_sum(nonfinite))
         if mask is not None:
             weights = weights * mask
         weights = weights * self._sum_factor(model, n, loss_multiplier)
@@ -164,7 +197,15 @@ class DPSGDState(MultiGradientState):
         return parts, losses, y_pred
 
     def _parts(self, model, tape, recorder, objective, scaled, scale):
-        """`id(variable) -> Part` for every trainable variable the forward pass used."""
+        """`id(variable) -> Part` for every trainable variable the forward pass used.
+
+        Outside a LossScaleOptimizer, an example whose loss, recorded layer
+        inputs or output gradients are not finite gets the squared norm
+        +inf (its clip weight is then 0), and the rules see those tensors
+        with non-finite entries replaced by zeros, so its zero-weighted row
+        adds exactly zero to the clipped sum.
+        """
+        sanitize = _zeroes_nonfinite(model.optimizer)
         global_variables = list(self.orphans) + [
             v for v in recorder.foreign.values() if all(v is not o for o in self.orphans)
         ]
@@ -176,7 +217,8 @@ class DPSGDState(MultiGradientState):
         flat_grads = tape.gradient(
             objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        context = Context(tape, scale, bool(model.jit_compile))
+        context = Context(tape, scale, bool(model.jit_compile), sanitize=sanitize)
+        finite_rows = [tf.math.is_finite(scaled)] if sanitize else []
         parts = {}
         position = 0
         for site in called:
@@ -185,6 +227,13 @@ class DPSGDState(MultiGradientState):
             for record in records:
                 grads.append(flat_grads[position:position + len(record["z"])])
                 position += len(record["z"])
+            if sanitize:
+                finite_rows.extend(
+                    _finite_rows(t) for record in records for t in _floating([record.get("a")])
+                )
+                finite_rows.extend(_finite_rows(g) for gz in grads for g in _floating(gz))
+                records = [_zeroed_record(record) for record in records]
+                grads = [[_finite_or_zero(g) for g in gz] for gz in grads]
             for vid, part in site.rule.clip(site, records, grads, context).items():
                 if vid in global_ids:
                     continue
@@ -194,7 +243,9 @@ class DPSGDState(MultiGradientState):
                 )
         if global_variables:
             used = [v for v in global_variables if any(v is t for t in model.trainable_weights)]
-            for vid, part in rows_parts(tape, scaled, used, scale, sites_lib.GLOBAL).items():
+            for vid, part in rows_parts(
+                tape, scaled, used, scale, sites_lib.GLOBAL, sanitize=sanitize
+            ).items():
                 parts[vid] = part
             for v in used:
                 self.methods[("(read outside its layer)", v.path)] = sites_lib.GLOBAL
@@ -202,6 +253,13 @@ class DPSGDState(MultiGradientState):
             raise ValueError(
                 "DPSGD found no trainable variable used by the forward pass. "
                 f"Received: model={model.name!r}"
+            )
+        if sanitize:
+            finite = tf.reduce_all(tf.stack(finite_rows), axis=0)
+            first = next(iter(parts))
+            part = parts[first]
+            parts[first] = Part(
+                tf.where(finite, part.squared_norms, math.inf), part.weighted, part.method
             )
         return parts
 
@@ -303,6 +361,47 @@ def _add_regularization(grads, variables):
         g = tf.cast(tf.convert_to_tensor(g), tf.float32)
         out[i] = g if out[i] is None else out[i] + g
     return out
+
+
+def _zeroes_nonfinite(optimizer):
+    """True unless the optimizer scales the loss (then overflows must reach it)."""
+    return optimizer is None or true_gradients.loss_scale(optimizer) is None
+
+
+def _floating(tensors):
+    """The dense or ragged floating-point tensors among `tensors`."""
+    return [
+        t for t in tensors
+        if (tf.is_tensor(t) or isinstance(t, tf.RaggedTensor)) and t.dtype.is_floating
+    ]
+
+
+def _finite_rows(tensor):
+    """`[B]` bool: True where every entry of the example's row is finite."""
+    finite = tf.math.is_finite(tensor)
+    if finite.shape.rank == 1:
+        return finite
+    return tf.reduce_all(finite, axis=list(range(1, finite.shape.rank)))
+
+
+def _finite_or_zero(tensor):
+    """`tensor` with its non-finite entries replaced by zeros."""
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.with_flat_values(_finite_or_zero(tensor.flat_values))
+    if not tensor.dtype.is_floating:
+        return tensor
+    return tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
+
+
+def _zeroed_record(record):
+    """A site's record with the non-finite entries of its input `a` replaced by zeros.
+
+    `z` stays as recorded: the vectorized rule differentiates through it on
+    the tape (its rows are cleaned in `rows_parts`).
+    """
+    if not _floating([record.get("a")]):
+        return record
+    return {**record, "a": _finite_or_zero(record["a"])}
 
 
 def _check_added_losses(model):

@@ -9,7 +9,9 @@ gradients `g_t` at the positions `t` whose id is `v`. Its squared norm is
 `vocabulary x dim` per-example gradient. For long sequences (T > 256, outside
 XLA) the positions are grouped by `(example, id)` instead (a segment sum,
 linear in T). The clipped sum is `tf.IndexedSlices` of `c_i g_t` at the ids,
-like the stock gradient of an embedding lookup.
+like the stock gradient of an embedding lookup. Ragged ids (`tf.RaggedTensor`
+sequences of different lengths) are padded with id 0 and a zero output
+gradient, which adds nothing.
 """
 
 import keras
@@ -39,12 +41,9 @@ class EmbeddingRule:
         table = site.layer.embeddings
         dim = table.shape[-1]
         ids = tf.concat(
-            [tf.reshape(tf.cast(r["a"], tf.int64), [tf.shape(r["a"])[0], -1]) for r in records],
-            axis=1,
+            [_flat_positions(tf.cast(r["a"], tf.int64), 0) for r in records], axis=1
         )
-        g = tf.concat(
-            [tf.reshape(float32(gz[0]), [tf.shape(gz[0])[0], -1, dim]) for gz in grads], axis=1
-        )
+        g = tf.concat([_flat_positions(float32(gz[0]), dim) for gz in grads], axis=1)
         positions = ids.shape[1]
         if positions == 1:
             squared = tf.reduce_sum(g * g, [1, 2])
@@ -62,6 +61,20 @@ class EmbeddingRule:
             )
 
         return {id(table): Part(squared, weighted, "ghost")}
+
+
+def _flat_positions(tensor, dim):
+    """`[B, T]` ids (`dim=0`) or `[B, T, dim]` output gradients, one row per example.
+
+    A `tf.RaggedTensor` (ragged ids: sequences of different lengths) is padded
+    to its longest sequence: padded positions get id 0 and a zero output
+    gradient, so they add nothing to a norm or to the clipped sum.
+    """
+    if isinstance(tensor, tf.RaggedTensor):
+        tensor = tensor.to_tensor()
+    if dim:
+        return tf.reshape(tensor, [tf.shape(tensor)[0], -1, dim])
+    return tf.reshape(tensor, [tf.shape(tensor)[0], -1])
 
 
 def _grouped_squared_norms(ids, g, vocabulary):

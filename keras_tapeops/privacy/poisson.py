@@ -61,21 +61,39 @@ def truncation_probability(dataset_size, sampling_rate, max_batch_size):
     return float(np.exp(log_pmf).sum())
 
 
-def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, steps=None):
+def poisson_batches(
+    dataset, sampling_rate, seed=None, max_batch_size=None, steps=None, model=None
+):
     """Poisson-sampled, padded batches `(x, y, mask)` for `fit` with `kt.DPSGD`.
+
+    Each pass over the returned dataset (one `fit` epoch) draws new batches.
+    Batch `i` of a pass is drawn from the key `(seed, pass key, i)`:
+
+    - with `model`, the pass key is `model.optimizer.iterations` when the
+      pass starts. That counter is saved with the model's weights, so a run
+      resumed from a checkpoint (`keras.callbacks.BackupAndRestore`, or
+      `load_model` and `fit` again) draws exactly the batches the
+      uninterrupted run drew at the same step, never the first epoch's again;
+    - without `model`, the pass key counts the passes over this dataset object
+      in this process (0, 1, 2, ...): a new process starts again at 0, so a
+      run resumed with the same `seed` replays the first epoch's batches.
+      Pass `model=` (or `seed=None`) when training may be resumed.
 
     Args:
         dataset: the training examples: an unbatched, finite
             `tf.data.Dataset` of `(x, y)` pairs, or a tuple `(x, y)` of
-            arrays (x and y may be nested structures). It is held in memory.
+            arrays (x and y may be nested structures with the examples on
+            the first axis; all of the same length). It is held in memory.
         sampling_rate: the probability q that an example is in a batch, in
             (0, 1].
-        seed: None (fresh randomness) or a non-negative int: the same seed gives the same
-            batches; each epoch draws new ones.
+        seed: None (a fresh random seed drawn from the operating system) or
+            a non-negative int: the same seed gives the same batches.
         max_batch_size: the padded batch size M (default: mean + 7 standard
             deviations of the batch size, rounded up to a multiple of 8).
         steps: batches per epoch (default `round(1 / q)`: one pass over the
             data in expectation).
+        model: None, or the model that trains on the batches (its optimizer's
+            step counter keys each epoch's draw, see above).
 
     Returns:
         A `tf.data.Dataset` of `(x, y, mask)`: `M` rows each, `mask` a bool
@@ -83,10 +101,10 @@ def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, step
 
     Example:
     ```python
-    batches = kt.privacy.poisson_batches((x, y), sampling_rate=0.25, seed=0)
     model.compile(optimizer="sgd", loss="categorical_crossentropy",
                   differential_privacy=kt.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1))
-    model.fit(batches, epochs=1, verbose=0)
+    batches = kt.privacy.poisson_batches((x, y), sampling_rate=0.25, seed=0, model=model)
+    model.fit(batches, epochs=1, shuffle=False, verbose=0)
     ```
     """
     q = check_sampling_rate(sampling_rate)
@@ -101,20 +119,60 @@ def poisson_batches(dataset, sampling_rate, seed=None, max_batch_size=None, step
         steps = max(1, round(1 / q))
     steps = validation.positive_int(steps, "steps")
     seed = noise.check_seed(seed)
+    if seed is None:
+        seed = noise.fresh_seed()
+    if model is not None and not hasattr(model, "optimizer"):
+        raise ValueError(
+            "`model` must be the Keras model that trains on the batches. "
+            f"Received: model of type {type(model).__name__}"
+        )
+    seed_key = tf.constant(noise.seed_halves(seed), tf.int64)
+    clock = _PassClock(model)
 
-    def draw(key):
-        key = tf.stack([key, tf.constant(0, tf.int64)])
-        chosen = tf.random.stateless_uniform([n], key) < q
+    def draw(pass_key, index):
+        key = tf.random.experimental.stateless_fold_in(seed_key, pass_key, alg="philox")
+        key = tf.random.experimental.stateless_fold_in(key, index, alg="philox")
+        chosen = tf.random.stateless_uniform([n], key, alg="philox") < q
         picked = tf.random.experimental.stateless_shuffle(
-            tf.where(chosen)[:, 0], tf.random.experimental.stateless_fold_in(key, 1)
+            tf.where(chosen)[:, 0],
+            tf.random.experimental.stateless_fold_in(key, 1, alg="philox"),
+            alg="philox",
         )[:max_batch_size]
         count = tf.shape(picked)[0]
         batch = tf.nest.map_structure(lambda t: _padded(tf.gather(t, picked), max_batch_size), data)
         mask = tf.range(max_batch_size) < count
         return (*batch, mask)
 
-    keys = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).take(steps)
-    return keys.map(draw, deterministic=True)
+    def one_pass(_):
+        # Runs once per pass, when its first batch is drawn.
+        pass_key = tf.py_function(clock.next_key, [], tf.int64)
+        pass_key = tf.ensure_shape(pass_key, [])
+        return tf.data.Dataset.range(steps).map(lambda index: draw(pass_key, index))
+
+    batches = tf.data.Dataset.range(1).flat_map(one_pass)
+    return batches.apply(tf.data.experimental.assert_cardinality(steps))
+
+
+class _PassClock:
+    """The key of each pass over a `poisson_batches` dataset (see there).
+
+    Args:
+        model: None (count the passes) or the training model (read its
+            optimizer's step counter).
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._passes = 0
+
+    def next_key(self):
+        """The key of the pass that starts now (an int64 NumPy scalar)."""
+        if self._model is not None:
+            optimizer = getattr(self._model, "optimizer", None)
+            step = 0 if optimizer is None else int(optimizer.iterations.numpy())
+            return np.int64(step)
+        key, self._passes = self._passes, self._passes + 1
+        return np.int64(key)
 
 
 def _in_memory(dataset):
@@ -138,7 +196,28 @@ def _in_memory(dataset):
             "`dataset` must be a tf.data.Dataset of (x, y) examples or a "
             f"tuple (x, y) of arrays. Received: dataset of type {type(dataset).__name__}"
         )
-    return tuple(tf.nest.map_structure(tf.convert_to_tensor, tuple(dataset)))
+    x, y = tuple(tf.nest.map_structure(tf.convert_to_tensor, tuple(dataset)))
+    _check_lengths(x, y)
+    return x, y
+
+
+def _check_lengths(x, y):
+    """Raises ValueError unless every array of x and y has the same number of examples."""
+    def lengths(structure):
+        return sorted({
+            None if t.shape.rank == 0 else int(t.shape[0]) for t in tf.nest.flatten(structure)
+        }, key=str)
+
+    x_lengths, y_lengths = lengths(x), lengths(y)
+    if len(x_lengths) != 1 or x_lengths != y_lengths or x_lengths[0] is None:
+        def describe(found):
+            return " or ".join("no example axis" if v is None else str(v) for v in found)
+
+        raise ValueError(
+            "poisson_batches needs x and y with the same number of examples "
+            "(the first axis of every array). Received: x has "
+            f"{describe(x_lengths)} samples and y has {describe(y_lengths)}"
+        )
 
 
 def _padded(tensor, size):

@@ -43,12 +43,16 @@ class Context:
         tape: the persistent tape of the forward pass.
         scale: the loss scale the objective was multiplied by (float32).
         jit: True when the step is compiled with XLA (static shapes only).
+        sanitize: True when a non-finite example is zeroed (see
+            `engine.DPSGDState._parts`): per-example rows a rule
+            materializes must have their non-finite entries replaced by zeros.
     """
 
-    def __init__(self, tape, scale, jit):
+    def __init__(self, tape, scale, jit, sanitize=False):
         self.tape = tape
         self.scale = tf.cast(scale, tf.float32)
         self.jit = jit
+        self.sanitize = sanitize
 
 
 def float32(tensor):

@@ -48,10 +48,13 @@ class VectorizedRule:
                     product = float32(z) * tf.stop_gradient(float32(gz))
                     terms.append(tf.reduce_sum(tf.reshape(product, [tf.shape(z)[0], -1]), 1))
             objectives = tf.add_n(terms)
-        return rows_parts(tape, objectives, site.variables, context.scale, "vectorized")
+        return rows_parts(
+            tape, objectives, site.variables, context.scale, "vectorized",
+            sanitize=context.sanitize,
+        )
 
 
-def rows_parts(tape, objectives, variables, scale, method):
+def rows_parts(tape, objectives, variables, scale, method, sanitize=False):
     """`Part`s of `variables` from the rows `d objectives[i] / d variables`.
 
     Args:
@@ -60,11 +63,15 @@ def rows_parts(tape, objectives, variables, scale, method):
         variables: the variables to differentiate by.
         scale: the loss scale.
         method: the name shown in the report.
+        sanitize: replace non-finite entries of the rows by zeros (a
+            non-finite example is zeroed: see `engine.DPSGDState._parts`).
 
     Returns:
         A dict `id(variable) -> Part`.
     """
     matrix = rows_lib.jacobian_rows(tape, objectives, list(variables), method="pfor")
+    if sanitize:
+        matrix = tf.where(tf.math.is_finite(matrix), matrix, tf.zeros_like(matrix))
     parts = {}
     start = 0
     for variable in variables:
