@@ -24,8 +24,11 @@ class ImportanceSampling(SelectionOption):
     respect to the model's outputs (`score="gradient_bound"`, the upper bound
     of Katharopoulos & Fleuret, from the scoring pass: no backward pass
     through the weights). k = ceil(fraction * n) indices are drawn with
-    replacement and each kept example's sample weight is multiplied by
-    1 / (n q_i): the expected gradient equals the whole batch's gradient
+    replacement (inverse-CDF sampling from stateless uniforms, so it
+    compiles under `jit_compile=True`, where XLA's generator gives other
+    draws than graph mode for the same seed; an empty batch draws nothing
+    and does not advance the seed) and each kept example's sample weight is
+    multiplied by 1 / (n q_i): the expected gradient equals the whole batch's gradient
     (for the default mean reduction; loss terms see the kept examples,
     unweighted).
 
@@ -81,9 +84,11 @@ class ImportanceSamplingState(SelectionState):
             packed = tf.nest.pack_sequence_as(y_pred, outputs)
             total = tf.reduce_sum(per_example_losses(model, y, packed, sample_weight))
         grads = tape.gradient(total, outputs)
-        n = tf.shape(losses)[0]
+        # Summed over every axis but the first (a reshape to [n, -1] cannot
+        # infer its size for an empty batch).
         squares = [
-            tf.reduce_sum(tf.reshape(tf.square(tf.cast(g, "float32")), [n, -1]), axis=1)
+            tf.reduce_sum(tf.square(tf.cast(g, "float32")), axis=list(range(1, g.shape.rank)))
+            if g.shape.rank > 1 else tf.square(tf.cast(g, "float32"))
             for g in grads if g is not None
         ]
         return tf.sqrt(tf.add_n(squares))
@@ -99,7 +104,7 @@ class ImportanceSamplingState(SelectionState):
         q = self.probabilities(self.scores(model, y, sample_weight, losses, y_pred))
         n = tf.shape(q)[0]
         k = batches.kept_count(self.schedule_variable, n)
-        indices = draw_with_replacement(q, k, self.seeds.next())
+        indices = draw_with_replacement(q, k, self.seeds.next(advance=n > 0))
         weights = 1.0 / (tf.cast(n, "float32") * tf.gather(q, indices))
         return indices, weights
 

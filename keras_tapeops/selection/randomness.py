@@ -33,8 +33,14 @@ class StepSeeds:
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
 
-    def next(self):
-        """Returns a `[2]` int64 seed for `tf.random.stateless_*` and advances."""
+    def next(self, advance=True):
+        """Returns a `[2]` int64 seed for `tf.random.stateless_*` and advances.
+
+        Args:
+            advance: a bool (or scalar bool tensor): False leaves the counter
+                as it is (an empty batch draws nothing, so the next batch
+                gets the seed it would have had without it).
+        """
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         context = tf.distribute.get_replica_context()
         replica = 0
@@ -42,5 +48,5 @@ class StepSeeds:
             replica = tf.cast(context.replica_id_in_sync_group, "int64")
         count = self.counter.read_value()
         with tf.control_dependencies([count]):
-            self.counter.assign_add(1)
+            self.counter.assign_add(tf.cast(advance, "int64"))
         return tf.stack([tf.constant(self.seed, "int64"), count * replicas + replica])

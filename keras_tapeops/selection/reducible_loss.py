@@ -37,8 +37,12 @@ class ReducibleLoss(SelectionOption):
     under its other keys; a single remaining entry is passed to the model
     unwrapped (`{"x": features, "example_id": ids}` for a one-input model),
     several are passed as a dict. Ids are removed before the model sees `x`;
-    evaluate and predict take data without them. A batch without ids is
-    refused at the first step.
+    evaluate and predict take data without them. A batch without ids, or
+    with ids that are not integers, is refused at the first step; an id
+    outside `[0, len(irreducible))` stops the step that sees it with an
+    error naming the id, before any weight changes. With a table the ids
+    cannot be checked inside an XLA-compiled step, so `jit_compile=True`
+    is refused at the first step (a holdout model works under jit).
 
     Args:
         irreducible: a 1-D array of irreducible losses indexed by example id,
@@ -129,16 +133,54 @@ class ReducibleLossState(TopLossState):
         return batches.split_ids(x, self.option.id_key)
 
     def check_batch(self, model, x, y, sample_weight):
-        if self.option.uses_ids and not (isinstance(x, dict) and self.option.id_key in x):
+        if not self.option.uses_ids:
+            return
+        key = self.option.id_key
+        if not (isinstance(x, dict) and key in x):
             raise ValueError(
                 "kt.ReducibleLoss looks up the irreducible loss by example id: pass x "
-                f"as a dict with the integer ids under {self.option.id_key!r} and the "
+                f"as a dict with the integer ids under {key!r} and the "
                 f"model's inputs under the other keys. Received: x as {batches.describe(x)}"
             )
+        dtype = tf.as_dtype(x[key].dtype)
+        if not dtype.is_integer:
+            raise ValueError(
+                f"kt.ReducibleLoss needs integer example ids under {key!r} (indices "
+                f"into `irreducible`); a {dtype.name} id would be truncated. "
+                f"Received: {key} with dtype {dtype.name}"
+            )
+        if getattr(model, "jit_compile", False):
+            raise ValueError(
+                "kt.ReducibleLoss with a table of irreducible losses cannot check the "
+                f"example ids inside an XLA-compiled step (XLA has no run-time errors "
+                f"and clamps an out-of-range {key!r} silently): compile with "
+                "jit_compile=False, or pass a holdout keras.Model as `irreducible`. "
+                "Received: jit_compile=True"
+            )
+
+    def checked_ids(self, ids):
+        """`ids` as int32, after run-time checks that each is in `[0, len(irreducible))`.
+
+        The checks run before the table lookup, so a bad id stops the step
+        before any weight changes, with a message naming the id key, the
+        valid range and the offending values.
+        """
+        key = self.option.id_key
+        size = int(self.option.irreducible.shape[0])
+        ids = tf.cast(ids, "int64")
+        valid = tf.logical_and(ids >= 0, ids < size)
+        check = tf.debugging.Assert(
+            tf.reduce_all(valid),
+            [f"kt.ReducibleLoss: every {key} must index the irreducible table, in [0, {size}). "
+             f"Received: {key}=", tf.boolean_mask(ids, tf.logical_not(valid))],
+            summarize=20,
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(tf.cast(ids, "int32"))
 
     def score(self, model, x, y, sample_weight, losses, ids):
         if self.table is not None:
-            irreducible = tf.gather(self.table, tf.cast(ids, "int32"))
+            irreducible = tf.gather(self.table, self.checked_ids(ids))
         else:
             holdout = self.option.irreducible
             predictions = keras_private.call_model(holdout, x, training=False)

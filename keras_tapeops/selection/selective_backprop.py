@@ -114,9 +114,10 @@ class SelectiveBackpropState(SelectionState):
 
     def select(self, model, x, y, sample_weight, losses, ids, y_pred):
         p = self.keep_probabilities(losses)
-        k = batches.kept_count(self.schedule_variable, tf.shape(losses)[0])
+        n = tf.shape(losses)[0]
+        k = batches.kept_count(self.schedule_variable, n)
         uniform = tf.random.stateless_uniform(
-            tf.shape(p), self.seeds.next(), minval=1e-12, maxval=1.0
+            tf.shape(p), self.seeds.next(advance=n > 0), minval=1e-12, maxval=1.0
         )
         gumbel = -tf.math.log(-tf.math.log(uniform))
         keys = tf.math.log(tf.maximum(p, 1e-30)) + gumbel
