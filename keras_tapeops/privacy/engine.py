@@ -147,18 +147,20 @@ class DPSGDState(MultiGradientState):
         parts, losses, y_pred = self.forward_parts(model, x, y)
         mask = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
         n = tf.shape(losses)[0]
-        self._log_loss(model, losses, mask, n)
         squared = tf.add_n([p.squared_norms for p in parts.values()])
         clip = tf.cast(self.option.l2_norm_clip, tf.float32)
         weights = tf.minimum(1.0, clip / tf.sqrt(squared))
+        logged = mask
         if _zeroes_nonfinite(model.optimizer):
-            # A non-finite example's norm is +inf (see `_parts`): weight 0.
-            finite = tf.math.is_finite(squared)
-            weights = tf.where(finite, weights, 0.0)
-            nonfinite = 1.0 - tf.cast(finite, tf.float32)
-            if mask is not None:
-                nonfinite = nonfinite * mask
+            # A non-finite example's norm is +inf (see `_parts`): weight 0,
+            # left out of the logged loss like a masked row, and counted.
+            finite = tf.cast(tf.math.is_finite(squared), tf.float32)
+            weights = weights * finite
+            losses = tf.where(finite > 0, losses, 0.0)
+            logged = finite if mask is None else finite * mask
+            nonfinite = 1.0 - finite if mask is None else (1.0 - finite) * mask
             self.metrics[NONFINITE_METRIC].update_state(tf.reduce_sum(nonfinite))
+        self._log_loss(model, losses, logged, n)
         if mask is not None:
             weights = weights * mask
         weights = weights * self._sum_factor(model, n, loss_multiplier)
@@ -185,6 +187,17 @@ class DPSGDState(MultiGradientState):
             _build(model, x)
         trainable = list(model.trainable_weights)
         scale = _loss_scale(model.optimizer, trainable)
+        finite_data = None
+        if _zeroes_nonfinite(model.optimizer):
+            # Non-finite inputs or targets are zeroed before the forward pass:
+            # a NaN row would otherwise reach other rows through backward
+            # passes over the whole batch (the vectorized Jacobian: a^T (0 g)).
+            finite_data = tf.reduce_all(
+                tf.stack([_finite_rows(t) for t in _floating(tf.nest.flatten((x, y)))]
+                         or [tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)]),
+                axis=0,
+            )
+            x, y = tf.nest.map_structure(_finite_or_zero, (x, y))
         tape = tf.GradientTape(persistent=True)
         with tape:
             with sites_lib.Recorder(self.sites, trainable) as recorder:
@@ -193,19 +206,20 @@ class DPSGDState(MultiGradientState):
             _check_added_losses(model)
             scaled = losses * scale
             objective = tf.reduce_sum(scaled)
-        parts = self._parts(model, tape, recorder, objective, scaled, scale)
+        parts = self._parts(model, tape, recorder, objective, scaled, scale, finite_data)
         return parts, losses, y_pred
 
-    def _parts(self, model, tape, recorder, objective, scaled, scale):
+    def _parts(self, model, tape, recorder, objective, scaled, scale, finite_data=None):
         """`id(variable) -> Part` for every trainable variable the forward pass used.
 
-        Outside a LossScaleOptimizer, an example whose loss, recorded layer
-        inputs or output gradients are not finite gets the squared norm
-        +inf (its clip weight is then 0), and the rules see those tensors
-        with non-finite entries replaced by zeros, so its zero-weighted row
-        adds exactly zero to the clipped sum.
+        Outside a LossScaleOptimizer, an example whose data (`finite_data`
+        False: its inputs or targets, zeroed by `forward_parts`), loss,
+        recorded layer inputs or output gradients are not finite gets the
+        squared norm +inf (its clip weight is then 0), and the rules see
+        those tensors with non-finite entries replaced by zeros, so its
+        zero-weighted row adds exactly zero to the clipped sum.
         """
-        sanitize = _zeroes_nonfinite(model.optimizer)
+        sanitize = finite_data is not None
         global_variables = list(self.orphans) + [
             v for v in recorder.foreign.values() if all(v is not o for o in self.orphans)
         ]
@@ -218,7 +232,7 @@ class DPSGDState(MultiGradientState):
             objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
         context = Context(tape, scale, bool(model.jit_compile), sanitize=sanitize)
-        finite_rows = [tf.math.is_finite(scaled)] if sanitize else []
+        finite_rows = [finite_data, tf.math.is_finite(scaled)] if sanitize else []
         parts = {}
         position = 0
         for site in called:

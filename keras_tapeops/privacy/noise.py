@@ -68,8 +68,11 @@ def gaussian(shape, key, step, index, stddev):
     gaussian([3], tf.constant([1, 2], tf.int64), step=0, index=0, stddev=1.1)
     ```
     """
-    # Philox explicitly: "auto_select" picks another generator under XLA, and
-    # jit_compile=True must draw the same noise as the graph.
+    # Philox explicitly, so every device and replica uses one algorithm. This
+    # does NOT make jit_compile=True draw the graph's noise: XLA lowers the
+    # stateless normal with its own kernels, so a seeded run under XLA draws
+    # other (equally distributed) noise than the same run without XLA
+    # (docs/privacy.md, "Composes with"). Within one mode, runs are reproducible.
     key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64), alg="philox")
     key = tf.random.experimental.stateless_fold_in(key, index, alg="philox")
     return tf.random.stateless_normal(
