@@ -4,8 +4,9 @@
 example's gradient and adds Gaussian noise once per step; this module holds
 what surrounds it:
 
-- `poisson_batches(dataset, sampling_rate, seed)`: Poisson-sampled batches,
-  padded to one size with a mask (one traced step);
+- `poisson_batches(dataset, sampling_rate, seed, model=None)`: Poisson-sampled
+  batches, padded to one size with a mask (one traced step), new each epoch
+  and, with `model`, after a restart too;
 - `epsilon(steps, sampling_rate, noise_multiplier, delta, accountant)` and
   `noise_multiplier_for(target_epsilon, ...)`: accounting on Google's
   `dp-accounting` package (`pip install keras-tapeops[privacy]`).
