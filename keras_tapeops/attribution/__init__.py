@@ -1,7 +1,8 @@
 """Input attribution: saliency, SmoothGrad, Integrated Gradients and Grad-CAM.
 
 Each method is traced once per model and setting (a `tf.function` kept while
-the model lives) and computes a whole batch, with all its noisy copies or
+the model lives, traced again when the model has been edited since, e.g. a
+layer's activation set to None) and computes a whole batch, with all its noisy copies or
 interpolation points, in one forward and backward pass.
 
 Example:
