@@ -244,3 +244,33 @@ def test_draws_follow_the_probabilities_and_accept_an_empty_batch():
     assert scipy.stats.chisquare(counts[keep], 5000 * q.numpy()[keep]).pvalue > 1e-3
     empty = draw_with_replacement(tf.zeros([0]), tf.constant(0), tf.constant([1, 2], tf.int64))
     assert empty.shape == (0,)
+
+
+# ------------------------- documentation check: accumulation with a "sum" loss
+def test_accumulation_steps_with_a_sum_loss_equals_micro_batches_and_stock():
+    """README and docs/accumulation.md said `accumulation_steps` refuses a
+    plain `"sum"` loss: it accepts it (one normalizer, 1, for the window) and
+    two batches of 4 make the step of one batch of 8, as `micro_batches=2`
+    and stock Keras on that batch (SGD, 3 steps, 1e-6)."""
+    x, y = data(24)
+    sample_weight = np.random.default_rng(2).uniform(0.5, 1.5, size=24).astype("float32")
+    loss = keras.losses.MeanSquaredError(reduction="sum")
+    results = {}
+    for name, batch, options in (("stock", 8, None), ("micro", 8, {"micro_batches": 2}),
+                                 ("window", 4, {"accumulation_steps": 2})):
+        model = tiny_model()
+        if options is None:  # a stock model with the same layers and weights
+            model = keras.Sequential(model.layers)
+            options = {}
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, **options)
+        model.fit(x, y, sample_weight=sample_weight, batch_size=batch,
+                  shuffle=False, verbose=0)
+        results[name] = model.get_weights()
+    for name in ("micro", "window"):
+        for actual, want in zip(results[name], results["stock"]):
+            np.testing.assert_allclose(actual, want, rtol=1e-6, atol=1e-6, err_msg=name)
+    # Companion: six steps on batches of 4 end elsewhere.
+    small = tiny_model()
+    small.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    small.fit(x, y, sample_weight=sample_weight, batch_size=4, shuffle=False, verbose=0)
+    assert np.abs(small.get_weights()[0] - results["stock"][0]).max() > 1e-4
