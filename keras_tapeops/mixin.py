@@ -11,7 +11,6 @@ test_step:   unpack -> compute_total_loss (forward, loss + terms, track)
 With no keras_tapeops option every hook reduces to the stock Keras step.
 """
 
-import contextlib
 import warnings
 
 import keras
@@ -22,12 +21,14 @@ from keras_tapeops import forward
 from keras_tapeops import groups
 from keras_tapeops import name_checks
 from keras_tapeops import sam
-from keras_tapeops import saving
 from keras_tapeops import step_gate
 from keras_tapeops import step_watch
 from keras_tapeops import true_gradients
 from keras_tapeops._keras import private
 from keras_tapeops.hook_overrides import default_hook
+from keras_tapeops.model_metrics import MetricsMethods
+from keras_tapeops.saving import SavingMethods
+from keras_tapeops.step_functions import StepFunctionMethods
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.optimizer_checks import check_optimizer_conflicts
 from keras_tapeops.options import TapeOpsOptions
@@ -37,7 +38,7 @@ from keras_tapeops.state import ModelState
 from keras_tapeops.transforms.base import apply_in_order
 
 
-class TapeOpsMixin:
+class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods):
     """Mix into a Keras model (first base) to get keras_tapeops options in `compile()`.
 
     The mixin is a plain class, not a `keras.Model`, so Keras can still build
@@ -60,10 +61,8 @@ class TapeOpsMixin:
     ```
     """
 
-    _tapeops_evaluating = False  # True while evaluate()/test_on_batch() run
-    _tapeops_logging = True  # False while SAM's second pass is traced
-
     # ------------------------------------------------------------------ compile
+    @default_hook
     def compile(self, *args, **kwargs):
         """Stock `compile()` plus the keras_tapeops options.
 
@@ -114,59 +113,6 @@ class TapeOpsMixin:
         self._tapeops_state = state
 
     @property
-    def _tapeops_training_state(self):
-        """The options' training state, saved by `save`/`save_weights` (or None).
-
-        Keras saves every saveable attribute of a model under the
-        attribute's name; this one holds the variables of stateful transforms
-        and of the multi-gradient engine (`state.TrainingState`), which are
-        not in `model.weights`. A stock model has no such entry and ignores
-        it in a file.
-        """
-        state = self.tapeops_state
-        return state.saveable if state is not None else None
-
-    def load_own_variables(self, store):
-        """Stock loading, also of files saved before issue 17.
-
-        keras_tapeops up to then listed the options' training state among the
-        model's own variables, after the model's others: a file whose
-        model-level entry has exactly that many more values loads them into
-        the training state. Any other file loads as in stock Keras.
-        """
-        saving.load_own_variables(self, store, super().load_own_variables)
-
-    def get_compile_config(self):
-        return saving.compile_config(self, super().get_compile_config())
-
-    def save(self, filepath, *args, **kwargs):
-        """Stock `save()`, refusing an unsaveable configuration first.
-
-        `get_compile_config` raises for an unregistered transform class or
-        callable; Keras calls it only after opening (and truncating) the
-        target file, so check before: a refused save leaves an existing
-        file intact.
-        """
-        self.get_compile_config()
-        return super().save(filepath, *args, **kwargs)
-
-    def compile_from_config(self, config):
-        """Compiles a loaded model as it was saved, with its keras_tapeops options.
-
-        As in stock Keras, a class whose `compile()` is its own (beyond the
-        mixin's, e.g. `compile(self, d_optimizer, g_optimizer)`) is not
-        compiled on load: Keras warns and the model is returned uncompiled
-        (compile it, or override this method).
-        """
-        if not self._tapeops_replays_compile(config):
-            return super().compile_from_config(config)  # stock: warns, skips
-        saving.replay_compile(self, config)
-
-    def _tapeops_replays_compile(self, config):
-        """True when loading may call `compile(**config)` (no compile override)."""
-        return type(self).compile is TapeOpsMixin.compile
-
-    @property
     def tapeops_options(self):
         """The validated keras_tapeops options of the last `compile()` (or None)."""
         return getattr(self, "_tapeops", None)
@@ -175,117 +121,6 @@ class TapeOpsMixin:
     def tapeops_state(self):
         """This model's `ModelState`: what it resolved from its options (or None)."""
         return getattr(self, "_tapeops_state", None)
-
-    @property
-    def metrics(self):
-        """Stock metrics, then the term trackers and transform/engine metrics.
-
-        The keras_tapeops metrics are left out where nothing updates them: in
-        a `train_step` (`test_step`) override that does not call the mixin's,
-        and afterwards, once such an override has run.
-        """
-        metrics = super().metrics
-        state = self.tapeops_state
-        if state is not None and self.compiled and self._tapeops_metrics_updated(state):
-            metrics = metrics + state.metrics
-        return metrics
-
-    def _tapeops_metrics_updated(self, state):
-        if step_watch.in_replaced_step(self):
-            return False
-        step = "test" if self._tapeops_evaluating else "train"
-        return step not in state.replaced_steps
-
-    def get_metrics_result(self):
-        """Stock metric results, without training-only terms while evaluating.
-
-        A term compiled with `in_validation=False` is not computed by
-        `test_step`, so `evaluate()` (and the validation part of `fit()`)
-        does not report it: no `val_<name>` entry in History.
-        """
-        results = super().get_metrics_result()
-        options = self.tapeops_options
-        if options is not None and self._tapeops_evaluating:
-            for term in options.loss_terms:
-                if not term.in_validation:
-                    results.pop(term.name, None)
-            # Transform and multi-gradient metrics (gradient norms, skipped
-            # steps, task weights) exist only where an optimizer step runs.
-            for metric in self.tapeops_state.training_only_metrics:
-                results.pop(metric.name, None)
-        return results
-
-    def evaluate(self, *args, **kwargs):
-        with self._evaluating():
-            return super().evaluate(*args, **kwargs)
-
-    def test_on_batch(self, *args, **kwargs):
-        with self._evaluating():
-            return super().test_on_batch(*args, **kwargs)
-
-    def _evaluating(self):
-        # A plain attribute set around evaluation (traced test steps read it
-        # at trace time; the test function is only traced in evaluation).
-        return self._flag_set("_tapeops_evaluating", True)
-
-    @contextlib.contextmanager
-    def _flag_set(self, name, value):
-        """Sets the plain attribute `name` to `value` inside the block."""
-        previous = getattr(self, name)
-        object.__setattr__(self, name, value)  # not tracked by Keras
-        try:
-            yield
-        finally:
-            object.__setattr__(self, name, previous)
-
-    # ---------------------------------------------------------------- building
-    def fit(self, *args, **kwargs):
-        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
-
-        A window cut short by the end of an epoch is applied before
-        validation and before other callbacks' `on_epoch_end` (see
-        `keras_tapeops.accumulation.AccumulationFlush`).
-        """
-        options = self.tapeops_options
-        if options is not None and options.accumulation_steps > 1:
-            args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
-        return super().fit(*args, **kwargs)
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras's build before the first step fails under
-        # MultiWorkerMirroredStrategy (keras-team/keras#20585): see
-        # `_keras_private.maybe_symbolic_build`.
-        private.maybe_symbolic_build(
-            self, iterator, data_batch, super()._maybe_symbolic_build
-        )
-
-    def make_train_function(self, force=False):
-        return self._make_step_function("train", super().make_train_function, force)
-
-    def make_test_function(self, force=False):
-        return self._make_step_function("test", super().make_test_function, force)
-
-    def _make_step_function(self, kind, stock_make, force):
-        """Binds and checks names, then lets Keras make its `<kind>_function`.
-
-        Args:
-            kind: "train" or "test".
-            stock_make: Keras's `make_<kind>_function` (bound).
-            force: passed on.
-
-        Returns:
-            The function, wrapped for multi-worker logs where needed.
-        """
-        self.build_tapeops()
-        self._check_logged_names()
-        step = f"{kind}_step"
-        with step_watch.watching_step(
-            self, step, getattr(type(self), step) is not getattr(TapeOpsMixin, step)
-        ):
-            stock_make(force=force)
-        name = f"{kind}_function"
-        setattr(self, name, private.with_multi_worker_logs(self, getattr(self, name)))
-        return getattr(self, name)
 
     def build_tapeops(self):
         """Binds this model's state to its variables once they exist; returns it.
@@ -301,6 +136,7 @@ class TapeOpsMixin:
         return state
 
     # -------------------------------------------------------------- the steps
+    @default_hook
     def train_step(self, data):
         step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -317,6 +153,7 @@ class TapeOpsMixin:
             warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    @default_hook
     def test_step(self, data):
         step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -517,10 +354,6 @@ class TapeOpsMixin:
         return apply_in_order(state.transforms, grads, variables)
 
     # ---------------------------------------------------------------- helpers
-    def _check_logged_names(self, y=None, y_pred=None):
-        """The logged-name check (see `keras_tapeops.name_checks`)."""
-        name_checks.check_logged_names(self, super().metrics, y, y_pred)
-
     def _check_logged_names_before_forward(self, data):
         """The name check, before an eager step's forward pass changes anything."""
         if name_checks.needs_eager_build(self):

@@ -7,6 +7,7 @@ The mixin's `get_compile_config`, `compile_from_config`, `save` and
 import keras
 
 from keras_tapeops._keras import private
+from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
 
@@ -65,3 +66,64 @@ def load_own_variables(model, store, stock_load):
             variable.assign(value)
         return
     stock_load(store)
+
+
+class SavingMethods:
+    """The mixin's saving methods (a base of `TapeOpsMixin`, before `keras.Model`).
+
+    Saves the options with the compile config and the options' training
+    state with the weights; loading compiles the model as it was saved.
+    """
+
+    @property
+    def _tapeops_training_state(self):
+        """The options' training state, saved by `save`/`save_weights` (or None).
+
+        Keras saves every saveable attribute of a model under the
+        attribute's name; this one holds the variables of stateful transforms
+        and of the multi-gradient engine (`state.TrainingState`), which are
+        not in `model.weights`. A stock model has no such entry and ignores
+        it in a file.
+        """
+        state = self.tapeops_state
+        return state.saveable if state is not None else None
+
+    def load_own_variables(self, store):
+        """Stock loading, also of files saved before issue 17.
+
+        keras_tapeops up to then listed the options' training state among the
+        model's own variables, after the model's others: a file whose
+        model-level entry has exactly that many more values loads them into
+        the training state. Any other file loads as in stock Keras.
+        """
+        load_own_variables(self, store, super().load_own_variables)
+
+    def get_compile_config(self):
+        return compile_config(self, super().get_compile_config())
+
+    def save(self, filepath, *args, **kwargs):
+        """Stock `save()`, refusing an unsaveable configuration first.
+
+        `get_compile_config` raises for an unregistered transform class or
+        callable; Keras calls it only after opening (and truncating) the
+        target file, so check before: a refused save leaves an existing
+        file intact.
+        """
+        self.get_compile_config()
+        return super().save(filepath, *args, **kwargs)
+
+    def compile_from_config(self, config):
+        """Compiles a loaded model as it was saved, with its keras_tapeops options.
+
+        As in stock Keras, a class whose `compile()` is its own (beyond the
+        mixin's, e.g. `compile(self, d_optimizer, g_optimizer)`) is not
+        compiled on load: Keras warns and the model is returned uncompiled
+        (compile it, or override this method).
+        """
+        if not self._tapeops_replays_compile(config):
+            return super().compile_from_config(config)  # stock: warns, skips
+        replay_compile(self, config)
+
+    def _tapeops_replays_compile(self, config):
+        """True when loading may call `compile(**config)` (no compile override)."""
+        return not overrides(self, "compile")

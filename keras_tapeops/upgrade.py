@@ -169,7 +169,10 @@ def upgraded_class(cls):
     name = f"TapeOps{cls.__name__}"
     upgraded = type(
         name,
-        (_UpgradedModel, cls, TapeOpsMixin, keras_base),
+        # The mixin's own bases are listed too: C3 then keeps them before
+        # Keras's classes (`cls` precedes the mixin here, and Keras injects
+        # `Functional` into `cls`'s bases, which would otherwise come first).
+        (_UpgradedModel, cls, TapeOpsMixin, *TapeOpsMixin.__bases__, keras_base),
         {
             "__module__": __name__,
             "__qualname__": name,
