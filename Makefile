@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-oldest bench clean
+.PHONY: demo test test-fast test-oldest bench clean
 
 # The oldest supported pair (the floors in pyproject.toml), pinned exactly.
 OLDEST_VENV := .venv-oldest
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q --durations=25 tests
+
+# The fast tier (tests marked `unit`: no fit, seconds each) plus a few smoke
+# fits, for the edit-test loop (tests/tiers.json, CONTRIBUTING.md).
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m "unit or smoke" tests
 
 # Keras's own trainer, model, callback, saving and distillation tests, stock and
 # with kt.TapeOpsMixin in every model: fails if a test fails only with the mixin

@@ -43,3 +43,59 @@ def mirrored():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# ------------------------------------------------------------------ tiers
+# tests/tiers.json lists the measured tiers (see CONTRIBUTING.md): `unit`
+# (the fast tier: no fit/evaluate/predict, seconds each), `smoke` (a few quick
+# fits that `make test-fast` adds), `slow` (examples, docs site, packaging,
+# multi-process, keras-hub, over 30 s). A test marked `unit` in its file or
+# in the list may not train: `_unit_tests_do_not_train` fails it if it does.
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_TIERS = json.loads((Path(__file__).parent / "tiers.json").read_text())
+_UNIT = set(_TIERS["unit"])
+_SMOKE = set(_TIERS["smoke"])
+_SLOW = set(_TIERS["slow"])
+_SLOW_FILES = set(_TIERS["slow_files"])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "smoke: a quick fit that `make test-fast` runs")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        node = item.nodeid
+        if node in _UNIT:
+            item.add_marker(pytest.mark.unit)
+        if node in _SMOKE:
+            item.add_marker(pytest.mark.smoke)
+        if node in _SLOW or node.split("::")[0] in _SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+_TRAINING_METHODS = (
+    "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch",
+)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_do_not_train(request, monkeypatch):
+    """A `unit` test that calls fit/evaluate/predict fails: it belongs in the fit tier."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+
+    def refuse(name):
+        def refused(self, *args, **kwargs):
+            raise AssertionError(
+                f"{request.node.nodeid} is in the unit tier but calls Model.{name}(); "
+                "remove it from tests/tiers.json (unit) or its @pytest.mark.unit."
+            )
+        return refused
+
+    for name in _TRAINING_METHODS:
+        monkeypatch.setattr(keras.Model, name, refuse(name))
+    yield

@@ -332,16 +332,6 @@ def _poisson_run(strategy=None):
     return model.get_weights(), history.history["loss"]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=tf.errors.InvalidArgumentError,
-    reason=(
-        "Keras's _maybe_symbolic_build reduces the first batch with MEAN across "
-        "replicas, which fails on poisson_batches' boolean mask; the fix belongs in "
-        "keras_tapeops/_keras/private.maybe_symbolic_build (build from the local "
-        "replica's batch for every multi-replica strategy, as for multi-worker). "
-        "Remove this marker with that change: the test then passes."
-    ),
-)
 def test_poisson_batches_under_mirrored_strategy_equal_one_device(mirrored):
     """Before the fix: "Value for attr 'T' of bool is not in the list of allowed
     values" (Keras's build reduces the boolean mask across replicas)."""

@@ -205,12 +205,16 @@ def maybe_symbolic_build(model, iterator, data_batch, stock):
     `PerReplica` value and Keras's `strategy.reduce("MEAN", ...)` of it
     fails ("Attempt to convert a value (PerReplica...)"). Only the shapes and
     dtypes matter for the build, so the local replica's batch is used.
+    Under MirroredStrategy Keras's MEAN reduce of that batch also fails on a
+    boolean tensor (`kt.privacy.poisson_batches`' mask), so every strategy
+    with more than one replica builds from the local replica's batch.
     Every other strategy takes Keras's own path (`stock`).
     """
     import tensorflow as tf
 
     strategy = model.distribute_strategy
-    if iterator is None or not _is_multi_worker(strategy):
+    several = _is_multi_worker(strategy) or strategy.num_replicas_in_sync > 1
+    if iterator is None or not several:
         return stock(iterator=iterator, data_batch=data_batch)
     for item in iterator:
         # Keras 3.15 yields (begin, end, iterator), Keras 3.10 (step, iterator).
