@@ -304,7 +304,7 @@ def exclusive_owners(model, variables, wheres, overlap_message):
 def trainable_capable_variables(model):
     """Every variable of `model` created trainable, frozen now or not.
 
-    See `keras_tapeops._keras_private.trainable_capable_variables`.
+    See `keras_tapeops._keras.private.trainable_capable_variables`.
     """
     return private.trainable_capable_variables(model)
 

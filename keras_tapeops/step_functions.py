@@ -32,7 +32,7 @@ class StepFunctionMethods:
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras's build before the first step fails under
         # MultiWorkerMirroredStrategy (keras-team/keras#20585): see
-        # `_keras_private.maybe_symbolic_build`.
+        # `_keras.private.maybe_symbolic_build`.
         private.maybe_symbolic_build(
             self, iterator, data_batch, super()._maybe_symbolic_build
         )
