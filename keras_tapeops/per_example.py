@@ -180,7 +180,7 @@ def _resolve(path, structure):
 
 # ------------------------------------------------------------------ private
 # Keras has no public per-output view of the compiled loss. The helpers below
-# read `CompileLoss` (`model._compile_loss`, via `_keras_private`) the way its
+# read `CompileLoss` (`model._compile_loss`, via `_keras.private`) the way its
 # own `call()` does in Keras 3.10-3.15; they are the only private accesses.
 
 

@@ -51,6 +51,7 @@ def rng():
 # fits that `make test-fast` adds), `slow` (examples, docs site, packaging,
 # multi-process, keras-hub, over 30 s). A test marked `unit` in its file or
 # in the list may not train: `_unit_tests_do_not_train` fails it if it does.
+import functools  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -89,6 +90,7 @@ def _unit_tests_do_not_train(request, monkeypatch):
         return
 
     def refuse(name):
+        @functools.wraps(getattr(keras.Model, name))  # keeps the signature code inspects
         def refused(self, *args, **kwargs):
             raise AssertionError(
                 f"{request.node.nodeid} is in the unit tier but calls Model.{name}(); "

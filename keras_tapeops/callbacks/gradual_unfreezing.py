@@ -265,7 +265,7 @@ def own_trainable_capable_variables(layer):
     Keras keeps them in the private list `layer._trainable_variables`, the
     one its `trainable` setter walks; no public API lists a layer's own
     variables apart from its sublayers'. (Candidate for
-    `keras_tapeops._keras_private`, next to `trainable_capable_variables`.)
+    `keras_tapeops._keras.private`, next to `trainable_capable_variables`.)
     """
     return list(getattr(layer, "_trainable_variables", []))
 
@@ -293,7 +293,7 @@ def optimizer_knows(optimizer, variable):
     Keras keeps the variables an optimizer was built with only in the
     private index `_trainable_variables_indices` (what `apply` checks with
     `_check_variables_are_known`); no public API tells. (Candidate for
-    `keras_tapeops._keras_private`.)
+    `keras_tapeops._keras.private`.)
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     subs = getattr(optimizer, "optimizers", None) or [optimizer]
