@@ -61,6 +61,11 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods):
     ```
     """
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A base class's own train_step/test_step is kept, not replaced.
+        step_watch.keep_own_steps(cls, TapeOpsMixin)
+
     # ------------------------------------------------------------------ compile
     @default_hook
     def compile(self, *args, **kwargs):
