@@ -100,7 +100,9 @@ def step_replaced(model, name):
             "super().train_step(data), so the keras_tapeops options "
             f"compiled into this model ({', '.join(applied)}) are not "
             "applied by it, and their metrics are not logged. Call "
-            "super().train_step(data) in it, or compile without them.",
+            "super().train_step(data) in it, or apply the gradients with "
+            "self.apply_gradients_with_options(grads, batch_size=...) "
+            "(keras_tapeops.custom_step), or compile without them.",
             stacklevel=2,
         )
 
