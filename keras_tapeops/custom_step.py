@@ -73,7 +73,12 @@ class CustomStepMethods:
         """
         step_watch.mark_step_ran(self)
         options = self.tapeops_options
-        state = self.build_tapeops()
+        state = self.tapeops_state
+        if state is not None:
+            # A model without `call()` (a GAN, SimSiam) is never `built`: its
+            # variables exist once the step has computed their gradients.
+            state.bind_variables(self)
+            state.saveable.restore_pending()
         if options is not None:
             compiled = [option.name for option in OPTIONS
                         if option.name in _NEEDS_THE_LIBRARYS_STEP

@@ -137,7 +137,7 @@ class ClippingRule:
         raise NotImplementedError("A ClippingRule must implement clip(...).")
 
 
-_REGISTERED_RULES = []
+_REGISTERED_RULES: list = []
 
 
 def register_clipping_rule(rule):
