@@ -65,9 +65,13 @@ class UncertaintyWeighting(TaskBalancing):
         s = tf.convert_to_tensor(context.state["log_variance"])
         grad = 0.5 - 0.5 * context.losses * tf.exp(-s)
         finite = tf.reduce_all(tf.math.is_finite(grad))
+        # A task whose loss is exactly 0 (no labelled example in the batch)
+        # does not pull its log-variance down; an empty batch moves nothing.
+        present = tf.not_equal(context.losses, 0.0)
+        grad = tf.where(present, grad, 0.0)
         learned.adam_step(
             context.state, "log_variance", tf.where(finite, grad, 0.0),
-            self.learning_rate, apply=finite,
+            self.learning_rate, apply=tf.logical_and(finite, tf.reduce_any(present)),
         )
 
     def get_config(self):
