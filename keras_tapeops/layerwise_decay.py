@@ -102,7 +102,9 @@ def layerwise_lr_decay(model, base_optimizer, decay, layers, rest="lowest"):
     for i, where in enumerate(layers):
         where = selectors.validate_listed_selector(where, f"layers[{i}]")
         if where is None:
-            raise ValueError(f"layers[{i}] is None; each block must be a selector. Received: layers={layers!r}")
+            raise ValueError(
+                f"layers[{i}] is None; each block must be a selector. Received: layers={layers!r}"
+            )
         blocks.append(where)
     block_of = groups_module.exclusive_owners(
         model, variables, blocks,

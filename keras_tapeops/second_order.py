@@ -156,7 +156,7 @@ def top_hessian_eigenvalue(model, data, iterations=20, seed=None, tolerance=1e-4
 
 # model -> (what the trace baked in, tf.function). The function holds only a
 # weak reference to the model, so the cache never keeps one alive.
-_FUNCTIONS = weakref.WeakKeyDictionary()
+_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _hvp_function(model):

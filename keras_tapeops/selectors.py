@@ -384,7 +384,10 @@ def serialize_callable(fn, name, owner=None):
         restored = None
     loads_back = restored is fn if _is_function(fn) else restored is not None
     if not loads_back:
-        subject = f"{owner} cannot be saved: its `{name}`" if owner else f"`{name}` cannot be saved: it"
+        if owner:
+            subject = f"{owner} cannot be saved: its `{name}`"
+        else:
+            subject = f"`{name}` cannot be saved: it"
         raise ValueError(
             f"{subject} is not registered for Keras "
             "serialization (lambdas and local functions cannot be). Define it "

@@ -195,7 +195,7 @@ def upgraded_class(cls):
 
 # Original class -> upgraded class; weak so a class defined in a test or a
 # notebook cell can go away.
-_UPGRADED_CLASSES = weakref.WeakKeyDictionary()
+_UPGRADED_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _UpgradedModel:

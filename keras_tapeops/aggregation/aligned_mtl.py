@@ -42,8 +42,11 @@ def aligned_mtl_weights(gramian, scale_mode="min"):
     elif scale_mode == "median":  # torch.median: the lower of the two middle values
         scale = tf.gather(values, k - rank + (rank - 1) // 2)
     else:
-        scale = tf.reduce_sum(tf.where(kept, values, 0.0)) / tf.cast(tf.maximum(rank, 1), tf.float32)
-    balance = tf.sqrt(scale) * tf.matmul(vectors * inverse_sqrt[tf.newaxis], vectors, transpose_b=True)
+        kept_sum = tf.reduce_sum(tf.where(kept, values, 0.0))
+        scale = kept_sum / tf.cast(tf.maximum(rank, 1), tf.float32)
+    balance = tf.sqrt(scale) * tf.matmul(
+        vectors * inverse_sqrt[tf.newaxis], vectors, transpose_b=True
+    )
     weights = tf.linalg.matvec(balance, preference)
     return tf.where(rank > 0, weights, preference)
 

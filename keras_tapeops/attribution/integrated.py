@@ -1,4 +1,7 @@
-"""`integrated_gradients`: path integral of the gradient from a baseline (Sundararajan et al. 2017)."""
+"""`integrated_gradients`: path integral of the gradient from a baseline.
+
+Sundararajan et al. 2017.
+"""
 
 import numpy as np
 import tensorflow as tf

@@ -113,7 +113,10 @@ class FAMO(TaskBalancing):
         state["has_previous"].assign(tf.where(finite, 1.0, state["has_previous"]))
 
     def micro_batch_refusal(self, replicas):
-        return "FAMO weighs each pass with the log of its own losses, so micro-batches would not add up to the batch"
+        return (
+            "FAMO weighs each pass with the log of its own losses, "
+            "so micro-batches would not add up to the batch"
+        )
 
     def get_config(self):
         return {

@@ -54,7 +54,10 @@ class GradNorm(TaskBalancing):
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
 
     def initial_state(self, num_tasks):
-        return {"logits": np.ones([num_tasks], "float32"), **learned.adam_state("logits", num_tasks)}
+        return {
+            "logits": np.ones([num_tasks], "float32"),
+            **learned.adam_state("logits", num_tasks),
+        }
 
     def _active(self, context):
         return tf.convert_to_tensor(context.epochs.completed) >= 1.0

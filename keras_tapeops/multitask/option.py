@@ -46,7 +46,7 @@ class TaskBalancing(MultiGradientOption):
     option_name = "task_balancing"
     kind = "rows"
     takes_shared = True  # False for loss weightings (they touch every variable alike)
-    max_tasks = None  # set by aggregators whose sub-problem grows as 2^K
+    max_tasks: int | None = None  # set by aggregators whose sub-problem grows as 2^K
     needs_epochs = False  # DWA and GradNorm read per-epoch task losses
     needs_global_losses = False  # pass weights from this pass's losses summed over replicas
     logs_weights = True

@@ -15,7 +15,9 @@ from keras_tapeops.registration import register
 
 @register
 class ConditionLoss(PointsTerm):
-    """Adds `weight * mean((model(points) - values)**2)` to the loss: a boundary or initial condition.
+    """Adds `weight * mean((model(points) - values)**2)` to the loss.
+
+    A boundary or initial condition.
 
     The points are the term's own (not the training batch), so several
     conditions can be trained next to a data loss and logged apart, each

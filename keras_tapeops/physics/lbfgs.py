@@ -73,7 +73,8 @@ def lbfgs(model, x, y=None, sample_weight=None, iterations=1000, history_size=50
     tolerance = validation.non_negative_number(tolerance, "tolerance")
     if callback is not None and not callable(callback):
         raise TypeError(
-            f"`callback` must be None or a callable (iteration, loss). Received: callback={callback!r}"
+            "`callback` must be None or a callable (iteration, loss). "
+            f"Received: callback={callback!r}"
         )
     _check_model(model)
     objective = _objective(model, x, y, sample_weight)

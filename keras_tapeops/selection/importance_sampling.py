@@ -1,4 +1,7 @@
-"""`kt.ImportanceSampling`: sampling by loss or gradient-norm bound, unbiased (Katharopoulos & Fleuret 2018)."""
+"""`kt.ImportanceSampling`: sampling by loss or gradient-norm bound, unbiased.
+
+Katharopoulos & Fleuret 2018.
+"""
 
 import tensorflow as tf
 

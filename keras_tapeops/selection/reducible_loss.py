@@ -77,7 +77,12 @@ class ReducibleLoss(SelectionOption):
                 values = np.asarray(irreducible, dtype="float32")
             except (TypeError, ValueError):
                 values = None
-            if values is None or values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)):
+            if (
+                values is None
+                or values.ndim != 1
+                or values.size == 0
+                or not np.all(np.isfinite(values))
+            ):
                 raise ValueError(
                     "`irreducible` must be a non-empty 1-D array of finite losses "
                     "indexed by example id, or a keras.Model. "

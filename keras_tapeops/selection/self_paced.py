@@ -34,7 +34,8 @@ class SelfPaced(SelectionOption):
     ```python
     import keras, numpy as np, keras_tapeops as kt
     model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
-    model.compile(optimizer="sgd", loss="mse", sample_selection=kt.SelfPaced(threshold_schedule=1.0))
+    model.compile(optimizer="sgd", loss="mse",
+                  sample_selection=kt.SelfPaced(threshold_schedule=1.0))
     model.fit(np.random.rand(16, 4), np.zeros((16, 1)), batch_size=8, verbose=0)
     ```
     """
