@@ -185,6 +185,11 @@ def test_sdist_and_wheel_build_check_and_the_installed_wheel_runs_the_quickstart
                  cwd=run_dir, env=env, timeout=300).split()
     assert Path(where[0]).is_relative_to(site_packages), where
     assert where[1] == PYPROJECT["project"]["version"]
+    for undeclared in ("keras_hub", "matplotlib", "pytest"):  # here, not declared
+        if _has(undeclared):
+            hidden = subprocess.run([str(python), "-c", f"import {undeclared}"], cwd=run_dir,
+                                    env=env, capture_output=True, timeout=120)
+            assert hidden.returncode != 0, f"the venv sees {undeclared}"
     shutil.copy(ROOT / "examples" / "quickstart.py", run_dir)
     out = _run([str(python), "quickstart.py"], cwd=run_dir, env=env, timeout=300)
     assert "same final weights as stock: True; same val_loss: True" in out
