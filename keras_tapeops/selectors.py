@@ -30,6 +30,10 @@ import fnmatch
 import threading
 import types
 import warnings
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import Union
 
 import keras
 
@@ -72,6 +76,10 @@ class LayerPath:
 
     def __hash__(self):
         return hash(("LayerPath", self.path))
+
+
+#: What a `where=` argument accepts (see the module docstring), for annotations.
+Selector = Union[None, str, Sequence[str], "keras.layers.Layer", LayerPath, Callable[[Any], bool]]
 
 
 def validate_selector(where):
