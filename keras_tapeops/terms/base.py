@@ -36,9 +36,9 @@ class TermContext:
     """
 
     def __init__(
-        self, model, x, y, y_pred, sample_weight, training, activations,
-        input_tape=None, watched_inputs=None,
-    ):
+        self, model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool,
+        activations: dict[int, list[Any]], input_tape: Any = None, watched_inputs: Any = None,
+    ) -> None:
         self.model = model
         self.x = x
         self.y = y
