@@ -88,6 +88,50 @@ def test_metadata_declares_license_typing_and_urls():
     assert re.search(r"^test: .*\blint\b", makefile, re.M)
 
 
+# The annotated public entry points stay annotated (py.typed promises it); add
+# to this list as signatures get annotated (CONTRIBUTING.md, "Lint and type check").
+ANNOTATED = [
+    "upgrade", "upgraded_class:keras_tapeops.upgrade",
+    "GradientTransform.__init__", "GradientTransform.bind", "GradientTransform.transform",
+    "GradientTransform.keep_step", "GradientTransform.after_apply", "GradientTransform.__call__",
+    "GradientTransform.get_config", "GradientTransform.from_config",
+    "TransformState.__init__:keras_tapeops.transforms.base",
+    "TransformState.add_variable:keras_tapeops.transforms.base",
+    "TransformState.add_metric:keras_tapeops.transforms.base",
+    "Term.__init__", "Term.bind", "Term.layers_to_capture", "Term.call", "Term.weight_at",
+    "Term.get_config", "Term.from_config", "TermContext.__init__",
+    "ClipByValue.__init__", "ClipByNorm.__init__", "ClipByGlobalNorm.__init__",
+    "ClipByNorm.transform", "SAM.__init__", "gradient_penalty", "optimizer_groups",
+    "layerwise_lr_decay", "hessian_vector_product", "top_hessian_eigenvalue",
+    "input_derivatives", "TapeOpsOptions.__init__:keras_tapeops.options",
+    "TapeOpsOptions.get_config:keras_tapeops.options",
+    "compile_signature:keras_tapeops.options",
+]
+
+
+@pytest.mark.unit
+def test_annotated_entry_points_stay_annotated():
+    import importlib
+    import inspect
+
+    import keras_tapeops as kt
+
+    missing = []
+    for entry in ANNOTATED:
+        dotted, _, module = entry.partition(":")
+        obj = importlib.import_module(module) if module else kt
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        signature = inspect.signature(obj)
+        params = list(signature.parameters.values())
+        if params and params[0].name in ("self", "cls") and "." in dotted:
+            params = params[1:]
+        missing += [f"{dotted}({p.name})" for p in params if p.annotation is p.empty]
+        if signature.return_annotation is signature.empty and not dotted.endswith("__init__"):
+            missing.append(f"{dotted} -> ?")
+    assert not missing, missing
+
+
 # ------------------------------------------------------------------ slow tier
 
 
