@@ -106,6 +106,9 @@ ANNOTATED = [
     "input_derivatives", "TapeOpsOptions.__init__:keras_tapeops.options",
     "TapeOpsOptions.get_config:keras_tapeops.options",
     "compile_signature:keras_tapeops.options",
+    "SkipNonFinite.__init__", "LogGradientNorm.__init__", "AdaptiveClip.__init__",
+    "CentralizeGradients.transform", "LogUpdateRatio.__init__", "LogUpdateRatio.after_apply",
+    "ActivationPenalty.__init__", "ActivationPenalty.call", "GradientPenalty.__init__",
 ]
 
 

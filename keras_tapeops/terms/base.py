@@ -48,7 +48,7 @@ class TermContext:
         self._activations = activations
         self._input_tape = input_tape
         self._watched_inputs = watched_inputs
-        self.state = None
+        self.state: Any = None
 
     def activations(self, layer):
         """Returns the list of output tensors `layer` produced in this forward pass.
