@@ -109,6 +109,9 @@ ANNOTATED = [
     "SkipNonFinite.__init__", "LogGradientNorm.__init__", "AdaptiveClip.__init__",
     "CentralizeGradients.transform", "LogUpdateRatio.__init__", "LogUpdateRatio.after_apply",
     "ActivationPenalty.__init__", "ActivationPenalty.call", "GradientPenalty.__init__",
+    "attribution.saliency", "attribution.smoothgrad", "attribution.integrated_gradients",
+    "attribution.grad_cam", "attacks.FGSM.__init__", "attacks.PGD.__init__",
+    "attacks.PGD.__call__", "privacy.epsilon", "privacy.poisson_batches", "DPSGD.__init__",
 ]
 
 
