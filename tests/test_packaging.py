@@ -112,6 +112,15 @@ ANNOTATED = [
     "attribution.saliency", "attribution.smoothgrad", "attribution.integrated_gradients",
     "attribution.grad_cam", "attacks.FGSM.__init__", "attacks.PGD.__init__",
     "attacks.PGD.__call__", "privacy.epsilon", "privacy.poisson_batches", "DPSGD.__init__",
+    "AlignedMTL.__init__", "CAGrad.__init__", "MGDA.__init__", "PCGrad.__init__",
+    "UPGrad.__init__", "MeasureConflict.__init__", "DWA.__init__", "FAMO.__init__",
+    "GradNorm.__init__", "UncertaintyWeighting.__init__", "ImportanceSampling.__init__",
+    "ReducibleLoss.__init__", "SelectiveBackprop.__init__", "SelfPaced.__init__",
+    "SuperLoss.__init__", "TopLoss.__init__", "callbacks.GradualUnfreezing.__init__",
+    "callbacks.GroupLearningRateScheduler.__init__", "callbacks.GroupReduceLROnPlateau.__init__",
+    "callbacks.PrivacyBudget.__init__", "callbacks.RobustAccuracy.__init__",
+    "callbacks.Sharpness.__init__", "ConditionLoss.__init__", "PDEResidual.__init__",
+    "physics.BoxSampler.__init__", "physics.FixedPoints.__init__", "physics.lbfgs",
 ]
 
 

@@ -10,6 +10,9 @@ choice and torchjd's default), `"median"` (the lower median) or `"rmse"`
 (their mean, as in the original implementation).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -66,7 +69,9 @@ class AlignedMTL(Aggregator):
     ```
     """
 
-    def __init__(self, scale_mode="min", shared=None, tasks=None):
+    def __init__(
+        self, scale_mode: str = "min", shared: Any = None, tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.scale_mode = validation.choice(scale_mode, "scale_mode", SCALE_MODES)
 

@@ -16,6 +16,9 @@ step's gradient is made (`kind`):
   (`MeasureConflict`).
 """
 
+from typing import Any
+from typing import Sequence
+
 from keras_tapeops import selectors
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multitask import tasks as task_resolution
@@ -51,7 +54,7 @@ class TaskBalancing(MultiGradientOption):
     needs_global_losses = False  # pass weights from this pass's losses summed over replicas
     logs_weights = True
 
-    def __init__(self, shared=None, tasks=None):
+    def __init__(self, shared: Any = None, tasks: Sequence[str] | None = None) -> None:
         if self.takes_shared:
             self.shared = _validate_shared(shared)
         self.tasks = task_resolution.validate_tasks(tasks)

@@ -1,6 +1,7 @@
 """`ConditionLoss`: the mean squared mismatch of the model with given values on given points."""
 
 import numbers
+from typing import Any
 
 import keras
 import numpy as np
@@ -57,7 +58,10 @@ class ConditionLoss(PointsTerm):
 
     points_argument = "points"
 
-    def __init__(self, points, values, weight=1.0, name="condition", in_validation=False):
+    def __init__(
+        self, points: Any, values: Any, weight: Any = 1.0, name: str = "condition",
+        in_validation: bool = False,
+    ) -> None:
         super().__init__(points, weight=weight, name=name, in_validation=in_validation)
         self.values = _check_values(values, self.sampler)
 

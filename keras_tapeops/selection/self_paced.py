@@ -1,5 +1,7 @@
 """`kt.SelfPaced`: self-paced learning, hard weights by a loss threshold (Kumar et al. 2010)."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -40,7 +42,7 @@ class SelfPaced(SelectionOption):
     ```
     """
 
-    def __init__(self, threshold_schedule=1.0):
+    def __init__(self, threshold_schedule: Any = 1.0) -> None:
         if isinstance(threshold_schedule, keras.optimizers.schedules.LearningRateSchedule):
             self.threshold_schedule = threshold_schedule
         else:

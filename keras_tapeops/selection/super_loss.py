@@ -63,7 +63,7 @@ class SuperLoss(SelectionOption):
     ```
     """
 
-    def __init__(self, lam=1.0, tau=None, momentum=0.9):
+    def __init__(self, lam: float = 1.0, tau: float | None = None, momentum: float = 0.9) -> None:
         self.lam = validation.positive_number(lam, "lam")
         self.tau = None if tau is None else validation.finite_number(tau, "tau")
         self.momentum = validation.non_negative_number(momentum, "momentum")
