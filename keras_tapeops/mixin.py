@@ -25,6 +25,7 @@ from keras_tapeops import step_gate
 from keras_tapeops import step_watch
 from keras_tapeops import true_gradients
 from keras_tapeops._keras import private
+from keras_tapeops.custom_step import CustomStepMethods
 from keras_tapeops.hook_overrides import default_hook
 from keras_tapeops.model_metrics import MetricsMethods
 from keras_tapeops.saving import SavingMethods
@@ -38,7 +39,7 @@ from keras_tapeops.state import ModelState
 from keras_tapeops.transforms.base import apply_in_order
 
 
-class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods):
+class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomStepMethods):
     """Mix into a Keras model (first base) to get keras_tapeops options in `compile()`.
 
     The mixin is a plain class, not a `keras.Model`, so Keras can still build
@@ -60,6 +61,11 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods):
     net.fit(x, y)
     ```
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A base class's own train_step/test_step is kept, not replaced.
+        step_watch.keep_own_steps(cls, TapeOpsMixin)
 
     # ------------------------------------------------------------------ compile
     @default_hook
@@ -237,10 +243,15 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods):
     def compute_total_loss(self, x, y, sample_weight, training):
         """Forward pass, `compute_loss` plus loss terms, and loss logging.
 
+        Also a building block for a custom `train_step` (see
+        `keras_tapeops.custom_step`): it logs the loss and the terms.
+
         Returns:
             `(loss, y_pred)`: the replica-scaled total loss (not yet
             optimizer-scaled) and the model's outputs.
         """
+        if not training:  # a custom train step is marked by apply_gradients_with_options
+            step_watch.mark_step_ran(self)
         return forward.forward_and_loss(
             self, x, y, sample_weight, training, self.compute_terms,
             log=self._tapeops_logging,

@@ -100,6 +100,55 @@ def step_replaced(model, name):
             "super().train_step(data), so the keras_tapeops options "
             f"compiled into this model ({', '.join(applied)}) are not "
             "applied by it, and their metrics are not logged. Call "
-            "super().train_step(data) in it, or compile without them.",
+            "super().train_step(data) in it, or apply the gradients with "
+            "self.apply_gradients_with_options(grads, batch_size=...) "
+            "(keras_tapeops.custom_step), or compile without them.",
             stacklevel=2,
         )
+
+
+# The steps a model class may define that the mixin also defines.
+STEP_NAMES = ("train_step", "test_step")
+_LIBRARY_PACKAGES = ("keras", "keras_hub", "keras_tapeops")
+
+
+def keep_own_steps(cls, mixin):
+    """Keeps the steps a user's base class defines when the mixin is listed first.
+
+    `class Mine(kt.TapeOpsMixin, KerasIoGAN)` puts the mixin's `train_step`
+    before `KerasIoGAN.train_step` in the MRO, which would silently replace
+    the GAN's own step. The first user class after the mixin that defines a
+    step keeps it: `cls` gets that function (unless `cls`, or a class before
+    the mixin, defines the step itself). With no keras_tapeops option the
+    model then trains exactly as its class does; compiled options that the
+    kept step does not apply (it does not call `super().train_step(data)`)
+    are reported by the step watch (`step_replaced`).
+
+    Args:
+        cls: a new class whose MRO contains `mixin`.
+        mixin: the `TapeOpsMixin` class.
+
+    Returns:
+        The names of the steps kept, e.g. `["train_step"]`.
+
+    Example:
+    ```python
+    class Mine(kt.TapeOpsMixin, KerasIoGAN):
+        pass
+
+    Mine.train_step is KerasIoGAN.train_step   # True
+    ```
+    """
+    mro = cls.__mro__
+    after_mixin = mro[mro.index(mixin) + 1:]
+    before_mixin = mro[: mro.index(mixin)]
+    kept = []
+    for name in STEP_NAMES:
+        if any(name in vars(klass) for klass in before_mixin):
+            continue
+        owner = next((klass for klass in after_mixin if name in vars(klass)), None)
+        if owner is None or owner.__module__.split(".")[0] in _LIBRARY_PACKAGES:
+            continue
+        setattr(cls, name, vars(owner)[name])
+        kept.append(name)
+    return kept

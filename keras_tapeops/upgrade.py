@@ -128,13 +128,30 @@ def upgrade(model: keras.Model) -> keras.Model:
         )
     if isinstance(model, (keras.Sequential, _functional_class())):
         return _reclass(model, upgraded_class(cls))
+    raise TypeError(_subclassed_model_message(cls))
+
+
+def _subclassed_model_message(cls):
+    """What `upgrade()` says about a subclassed model it cannot rebuild."""
     bases = ", ".join(_base_name(base) for base in cls.__bases__)
-    raise TypeError(
-        "upgrade() cannot rebuild a subclassed model (one with its own "
-        "`call()`): put the mixin first in its bases instead: "
-        f"`class {cls.__name__}(kt.TapeOpsMixin, {bases}): ...`. "
-        "Models built the functional way (`super().__init__(inputs, "
-        f"outputs)`) are upgraded in place. Received: model of type {cls.__name__}"
+    defines_call = any(
+        "call" in vars(klass) for klass in cls.__mro__
+        if klass.__module__.split(".")[0] != "keras"
+    )
+    if defines_call:
+        what = "a subclassed model (one with its own `call()`)"
+        fix = f"`class {cls.__name__}(kt.TapeOpsMixin, {bases}): ...`"
+    else:
+        # e.g. the keras.io GAN: no call(), its own train_step.
+        what = ("a subclassed model that is not built from inputs and outputs "
+                "(it defines no `call()`)")
+        fix = (f"`class TapeOps{cls.__name__}(kt.TapeOpsMixin, {cls.__name__}): pass` "
+               "(a train_step or test_step the class defines is kept)")
+    return (
+        f"upgrade() cannot rebuild {what}: subclass it with the mixin first "
+        f"instead: {fix}. Models built the functional way "
+        "(`super().__init__(inputs, outputs)`) are upgraded in place. "
+        f"Received: model of type {cls.__name__}"
     )
 
 

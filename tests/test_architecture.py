@@ -261,3 +261,28 @@ def test_the_private_access_check_can_fail(tmp_path, keras_private):
     assert [what for _, _, what in found] == [
         "keras.src.models.functional", "_compile_loss", "_loss_tracker",
     ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("subpackage, base", [
+    ("transforms", "GradientTransform"), ("terms", "Term"),
+])
+def test_subpackage_exports_every_public_class_of_its_kind(subpackage, base):
+    """`kt.transforms` lists every transform and `kt.terms` every term, as `kt` does."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import keras_tapeops as kt
+
+    package = importlib.import_module(f"keras_tapeops.{subpackage}")
+    base_class = getattr(package, base)
+    defined = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if (inspect.isclass(obj) and issubclass(obj, base_class)
+                    and obj.__module__ == module.__name__ and not name.startswith("_")):
+                defined.add(name)
+    assert defined <= set(package.__all__), sorted(defined - set(package.__all__))
+    assert all(getattr(kt, name) is getattr(package, name) for name in defined)

@@ -7,6 +7,9 @@ what surrounds it:
 - `poisson_batches(dataset, sampling_rate, seed, model=None)`: Poisson-sampled
   batches, padded to one size with a mask (one traced step), new each epoch
   and, with `model`, after a restart too;
+- `ClippingRule` and `register_clipping_rule(rule)`: per-example norms for
+  a layer family of your own (the extension point; `Part`, `Context` and
+  `per_example_part` are what a rule returns and reads);
 - `epsilon(steps, sampling_rate, noise_multiplier, delta, accountant)` and
   `noise_multiplier_for(target_epsilon, ...)`: accounting on Google's
   `dp-accounting` package (`pip install keras-tapeops[privacy]`).
@@ -21,6 +24,14 @@ See docs/privacy.md for what is guaranteed.
 
 from keras_tapeops.privacy.accounting import epsilon
 from keras_tapeops.privacy.accounting import noise_multiplier_for
+from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.poisson import poisson_batches
+from keras_tapeops.privacy.rules import ClippingRule
+from keras_tapeops.privacy.rules import Context
+from keras_tapeops.privacy.rules import Part
+from keras_tapeops.privacy.rules import register_clipping_rule
 
-__all__ = ["epsilon", "noise_multiplier_for", "poisson_batches"]
+__all__ = [
+    "ClippingRule", "Context", "Part", "epsilon", "noise_multiplier_for",
+    "per_example_part", "poisson_batches", "register_clipping_rule",
+]

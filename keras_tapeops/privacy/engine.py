@@ -52,6 +52,7 @@ from keras_tapeops.privacy.ghost_embedding import EmbeddingRule
 from keras_tapeops.privacy.ghost_layer_norm import LayerNormRule
 from keras_tapeops.privacy.rules import Context
 from keras_tapeops.privacy.rules import Part
+from keras_tapeops.privacy.rules import registered_rules
 from keras_tapeops.privacy.vectorized import VectorizedRule
 from keras_tapeops.privacy.vectorized import rows_parts
 
@@ -105,7 +106,8 @@ class DPSGDState(MultiGradientState):
     def _rule_for(self, layer):
         if self.option.method == "vectorized":
             return VectorizedRule
-        return next((rule for rule in AUTO_RULES if rule.applies(layer)), VectorizedRule)
+        candidates = (*registered_rules(), *AUTO_RULES)
+        return next((rule for rule in candidates if rule.applies(layer)), VectorizedRule)
 
     # ------------------------------------------------------------------ batch
     def check_batch(self, model, x, y, sample_weight):

@@ -77,6 +77,107 @@ def split_activation(layer, original, args, kwargs):
     return outputs, z
 
 
+class ClippingRule:
+    """Base of a DP-SGD clipping rule: per-example norms for one layer family.
+
+    Subclass it for a layer DP-SGD would otherwise clip through the
+    vectorized fallback (one gradient per example), and register it with
+    `kt.privacy.register_clipping_rule`. Methods are static: a rule holds no
+    state; what one step needs travels in its records.
+
+    Attributes:
+        family: the name `engine.report()` shows for the rule's layers.
+
+    Example:
+    ```python
+    @kt.privacy.register_clipping_rule
+    class ScaleRule(kt.privacy.ClippingRule):
+        family = "Scale"
+
+        @staticmethod
+        def applies(layer):
+            return isinstance(layer, Scale)       # y = x * w, w of shape [D]
+
+        @staticmethod
+        def clip(site, records, grads, context):
+            w = site.layer.w
+            rows = tf.add_n([r["a"] * g[0] for r, g in zip(records, grads)])
+            return {id(w): kt.privacy.per_example_part(rows, context.scale, w.shape)}
+    ```
+    """
+
+    family = "custom"
+
+    @staticmethod
+    def applies(layer):
+        """Returns True if this rule clips `layer`'s own variables."""
+        raise NotImplementedError("A ClippingRule must implement applies(layer).")
+
+    @staticmethod
+    def forward(layer, original_call, args, kwargs):
+        """Runs the layer; returns `(outputs, record)`.
+
+        The default records the first input as `record["a"]` and the output as
+        `record["z"] = [outputs]`: `clip` then receives, per call of the
+        layer, the gradient of the objective with respect to the output.
+        """
+        return output_forward(layer, original_call, args, kwargs)
+
+    @staticmethod
+    def clip(site, records, grads, context):
+        """Returns `{id(variable): Part}` for the site's variables.
+
+        Args:
+            site: the layer's site (`site.layer`, `site.variables`).
+            records: one record per call of the layer in the forward pass.
+            grads: per record, the list of gradients of the loss-scaled
+                objective with respect to `record["z"]`.
+            context: a `Context` (`scale`, `jit`, `sanitize`, `tape`).
+        """
+        raise NotImplementedError("A ClippingRule must implement clip(...).")
+
+
+_REGISTERED_RULES: list = []
+
+
+def register_clipping_rule(rule):
+    """Registers a clipping rule: DP-SGD (`method="auto"`) tries it before the built-in ones.
+
+    Rules registered later are tried first. Usable as a class decorator.
+
+    Args:
+        rule: a `ClippingRule` subclass (or any class with static `applies`,
+            `forward` and `clip` and a `family` name).
+
+    Returns:
+        `rule`, unchanged.
+
+    Raises:
+        TypeError: `rule` lacks one of them.
+
+    Example:
+    ```python
+    kt.privacy.register_clipping_rule(ScaleRule)
+    ```
+    """
+    missing = [name for name in ("applies", "forward", "clip")
+               if not callable(getattr(rule, name, None))]
+    if missing or not isinstance(getattr(rule, "family", None), str):
+        raise TypeError(
+            "register_clipping_rule() takes a kt.privacy.ClippingRule subclass "
+            "(static applies/forward/clip and a `family` string); missing: "
+            f"{missing or ['family']}. Received: rule={rule!r}"
+        )
+    if rule not in _REGISTERED_RULES:
+        _REGISTERED_RULES.insert(0, rule)
+    return rule
+
+
+def registered_rules():
+    """The registered rules, most recent first."""
+    return tuple(_REGISTERED_RULES)
+
+
 def first_input(args, kwargs):
     """The first positional argument of a layer call (Keras names it `inputs`)."""
     return args[0] if args else kwargs["inputs"]

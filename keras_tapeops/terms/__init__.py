@@ -1,8 +1,14 @@
 """Loss terms for `compile(loss_terms=[...])`: the protocol and the built-in terms."""
 
 from keras_tapeops.terms.activation import ActivationPenalty
+from keras_tapeops.terms.adversarial import TRADES
+from keras_tapeops.terms.adversarial import AdversarialLoss
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.custom import LossTerm
+from keras_tapeops.terms.penalty import GradientPenalty
 
-__all__ = ["ActivationPenalty", "LossTerm", "Term", "TermContext"]
+__all__ = [
+    "ActivationPenalty", "AdversarialLoss", "GradientPenalty", "LossTerm",
+    "TRADES", "Term", "TermContext",
+]

@@ -54,9 +54,23 @@ class TermContext:
         """Returns the list of output tensors `layer` produced in this forward pass.
 
         Every call of the layer counts, and a layer with several outputs
-        contributes each output tensor.
+        contributes each output tensor. Only the layers the compiled terms
+        declared are recorded (a term's `layers_to_capture(state)`, or
+        `kt.LossTerm(..., layers=[...])`): the forward pass has already run.
+
+        Raises:
+            ValueError: `layer` was not declared by any compiled term.
         """
-        return list(self._activations.get(id(layer), []))
+        if id(layer) not in self._activations:
+            name = getattr(layer, "name", layer)
+            raise ValueError(
+                f"activations(): layer {name!r} was not recorded in this forward "
+                "pass. A term declares the layers it reads: return them from "
+                "its `layers_to_capture(state)` (see `kt.Term`), or use "
+                "`kt.LossTerm(fn, layers=[...])`. Received: layer="
+                f"{name!r}"
+            )
+        return list(self._activations[id(layer)])
 
     def input_gradients(self, target=None):
         """Gradient of `target` (default: sum of all outputs) w.r.t. the inputs.

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_tapeops import paths
 from keras_tapeops import selectors
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
@@ -26,6 +27,14 @@ class LossTerm(Term):
             function's name, or `"loss_term"`).
         in_validation: whether validation/`evaluate()` computes the term,
             logs it as `val_<name>` and counts it in `val_loss`.
+        layers: None, or a list of layer paths (`"encoder/z_mean"`, or a bare
+            name found at any depth) whose outputs `fn` also receives, in
+            that order, after `y_pred`: `fn(model, x, y, y_pred, *outputs)`.
+            They are recorded during the step's single forward pass (the
+            layers are not called again): a layer's output tensor, or a list
+            of tensors for a layer called several times or with several
+            outputs. An unknown path raises ValueError listing the model's
+            layer paths when training starts.
 
     Returns:
         A term for `compile(loss_terms=[...])`.
@@ -38,23 +47,71 @@ class LossTerm(Term):
 
     model.compile(optimizer="adam", loss="mse",
                   loss_terms=[kt.LossTerm(smoothness, weight=0.1)])
+
+    # The keras.io VAE's KL term, from the encoder's two heads:
+    def kl_divergence(model, x, y, y_pred, z_mean, z_log_var):
+        kl = -0.5 * (1 + z_log_var - z_mean**2 - keras.ops.exp(z_log_var))
+        return keras.ops.mean(keras.ops.sum(kl, axis=1))
+
+    vae.compile(optimizer="adam", loss=reconstruction_loss,
+                loss_terms=[kt.LossTerm(kl_divergence,
+                                        layers=["z_mean", "z_log_var"])])
     ```
     """
 
-    def __init__(self, fn, weight=1.0, name=None, in_validation=True):
+    def __init__(self, fn, weight=1.0, name=None, in_validation=True, layers=None):
         if not callable(fn):
             raise TypeError(
                 "`fn` must be a callable fn(model, x, y, y_pred) -> scalar. "
                 f"Received: fn={fn!r}"
             )
+        if layers is not None and (
+            isinstance(layers, str)
+            or not isinstance(layers, (list, tuple))
+            or not all(isinstance(path, str) and path for path in layers)
+        ):
+            raise TypeError(
+                "`layers` must be None or a list of layer paths (strings), "
+                f"e.g. ['z_mean', 'z_log_var']. Received: layers={layers!r}"
+            )
         self.fn = fn
+        self.layers = None if layers is None else list(layers)
         if name is None:
             fn_name = getattr(fn, "__name__", "")
             name = fn_name if fn_name.isidentifier() else "loss_term"
         super().__init__(weight=weight, name=name, in_validation=in_validation)
 
+    def bind(self, model, tree=None):
+        """Checks the weight and finds `layers` in `model`; returns them (a tuple)."""
+        super().bind(model, tree)
+        if not self.layers:
+            return ()
+        tree = tree or paths.LayerTree(model)
+        found = []
+        for path in self.layers:
+            try:
+                found.append(tree.resolve_layer(path))
+            except ValueError as error:
+                raise ValueError(
+                    f"LossTerm {self.name!r}: {error}. Received: layers={self.layers!r}"
+                ) from None
+        return tuple(found)
+
+    def layers_to_capture(self, state):
+        return list(state or ())
+
     def call(self, context):
-        value = self.fn(context.model, context.x, context.y, context.y_pred)
+        outputs = []
+        for path, layer in zip(self.layers or (), context.state or ()):
+            tensors = context.activations(layer)
+            if not tensors:
+                raise ValueError(
+                    f"LossTerm {self.name!r}: layer {path!r} produced no output "
+                    "in the forward pass (is it used by the model's call()?). "
+                    f"Received: layers={self.layers!r}"
+                )
+            outputs.append(tensors[0] if len(tensors) == 1 else tensors)
+        value = self.fn(context.model, context.x, context.y, context.y_pred, *outputs)
         value = tf.convert_to_tensor(value)
         if value.shape.rank != 0:
             raise ValueError(
@@ -68,6 +125,8 @@ class LossTerm(Term):
         config["fn"] = selectors.serialize_callable(
             self.fn, "fn", owner=f"LossTerm {self.name!r}"
         )
+        if self.layers is not None:
+            config["layers"] = list(self.layers)
         return config
 
     @classmethod
