@@ -257,6 +257,33 @@ def test_user_selection_rule_with_weights_one_everywhere_is_the_stock_step():
     assert max_difference(ours, stock.get_weights()) < ATOL
 
 
+def test_user_selection_weights_multiply_the_sample_weights():
+    # Weight 2 on every example equals stock Keras with sample weights of 2.
+    class Double(SelectionRule):
+        def select(self, losses, context):
+            return 2.0 * tf.ones_like(losses)
+
+    ours, _ = fit_selected(Double())
+    stock = one_output_model(upgraded=False)
+    stock.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = one_output_data()
+    stock.fit(x, y, sample_weight=np.full(len(x), 2.0, "float32"), batch_size=6, epochs=2,
+              shuffle=False, verbose=0)
+    assert max_difference(ours, stock.get_weights()) < ATOL
+
+
+def test_user_selection_rule_under_jit_compile_equals_top_loss():
+    def fit(selection):
+        model = one_output_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      sample_selection=selection, jit_compile=True)
+        x, y = one_output_data()
+        model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    assert max_difference(fit(TopHalf(0.5)), fit(kt.TopLoss(0.5))) < ATOL
+
+
 # ---------------------------------------------------------------- saving
 @pytest.mark.parametrize("make, model_kind", [
     (lambda: FixedAggregator([0.25, 0.75], shared="trunk"), "two"),
