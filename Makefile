@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-oldest bench clean
+.PHONY: demo lint test test-fast test-oldest bench clean
 
 # The oldest supported pair (the floors in pyproject.toml), pinned exactly.
 OLDEST_VENV := .venv-oldest
@@ -21,7 +21,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+# ruff (pycodestyle + pyflakes, [tool.ruff] in pyproject.toml) and mypy (the
+# type check, [tool.mypy]) over the package; `make test` runs it first.
+lint: $(STAMP)
+	$(PY) -m ruff check keras_tapeops
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -n 2 -q --durations=25 tests
 
 # The fast tier (tests marked `unit`: no fit, seconds each) plus a few smoke
@@ -59,4 +65,4 @@ bench: $(STAMP)
 	@for f in bench/*.py; do [ "$$f" = bench/common.py ] && continue; echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -62,8 +62,11 @@ from keras_tapeops.derivatives import input_derivatives  # noqa: E402
 from keras_tapeops.physics.condition import ConditionLoss  # noqa: E402
 from keras_tapeops.physics.residual import PDEResidual  # noqa: E402
 from keras_tapeops.aggregation import AlignedMTL, CAGrad, IMTLG, MGDA, PCGrad, UPGrad  # noqa: E402,E501
+from keras_tapeops.aggregation import Aggregator  # noqa: E402
 from keras_tapeops.multitask import DWA, FAMO, GradNorm, MeasureConflict, UncertaintyWeighting  # noqa: E402,E501
+from keras_tapeops.multitask import LossWeighting  # noqa: E402
 from keras_tapeops.selection import ImportanceSampling, ReducibleLoss, SelectiveBackprop, SelfPaced, SuperLoss, TopLoss  # noqa: E402,E501
+from keras_tapeops.selection import SelectionRule  # noqa: E402
 
 __version__ = _installed_version()  # one source: `version` in pyproject.toml
 
@@ -127,6 +130,8 @@ __all__ = [
     "GradNorm",
     "FAMO",
     "MeasureConflict",
+    "Aggregator",
+    "LossWeighting",
     # Loss-based selection (compile(sample_selection=...)) and reweighting.
     "TopLoss",
     "ReducibleLoss",
@@ -134,4 +139,5 @@ __all__ = [
     "ImportanceSampling",
     "SelfPaced",
     "SuperLoss",
+    "SelectionRule",
 ]

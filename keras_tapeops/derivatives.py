@@ -38,6 +38,9 @@ Both modes can be differentiated again: inside a training step the outer
 """
 
 import numbers
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -49,7 +52,10 @@ MODES = ("auto", "forward", "reverse")
 _ZERO = tf.UnconnectedGradients.ZERO
 
 
-def input_derivatives(fn, x, order=1, mode="auto", mixed=None, diagonal=None):
+def input_derivatives(
+    fn: Callable[[Any], Any], x: Any, order: int = 1, mode: str = "auto",
+    mixed: Sequence[tuple[int, int]] | None = None, diagonal: Any = None,
+) -> tuple[tf.Tensor, ...]:
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.
 
     Args:

@@ -47,6 +47,7 @@ model.compile(optimizer=opt, loss="mse")
 """
 
 import re
+from typing import Sequence
 
 import keras
 
@@ -54,12 +55,17 @@ from keras_tapeops import _compat
 from keras_tapeops._keras import private
 from keras_tapeops import paths
 from keras_tapeops import selectors
+from keras_tapeops.selectors import Selector
 
 REQUIRED_KERAS = "3.15"
 
 
 # ----------------------------------------------------------------- public API
-def optimizer_groups(model, groups, default=None):
+def optimizer_groups(
+    model: keras.Model,
+    groups: Sequence[tuple[Selector, keras.optimizers.Optimizer]],
+    default: keras.optimizers.Optimizer | None = None,
+) -> keras.optimizers.Optimizer:
     """A `keras.optimizers.MultiOptimizer` with one optimizer per group of variables.
 
     Args:

@@ -30,19 +30,27 @@ model.compile(optimizer=opt, loss=...)
 """
 
 import numbers
+from typing import Sequence
 
 import keras
 import numpy as np
 
 from keras_tapeops import groups as groups_module
 from keras_tapeops import selectors
+from keras_tapeops.selectors import Selector
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 
 REST_CHOICES = ("lowest", "error")
 
 
-def layerwise_lr_decay(model, base_optimizer, decay, layers, rest="lowest"):
+def layerwise_lr_decay(
+    model: keras.Model,
+    base_optimizer: keras.optimizers.Optimizer,
+    decay: float,
+    layers: Sequence[Selector],
+    rest: str = "lowest",
+) -> keras.optimizers.Optimizer:
     """A MultiOptimizer whose blocks train at geometrically decaying rates.
 
     Args:
@@ -102,7 +110,9 @@ def layerwise_lr_decay(model, base_optimizer, decay, layers, rest="lowest"):
     for i, where in enumerate(layers):
         where = selectors.validate_listed_selector(where, f"layers[{i}]")
         if where is None:
-            raise ValueError(f"layers[{i}] is None; each block must be a selector. Received: layers={layers!r}")
+            raise ValueError(
+                f"layers[{i}] is None; each block must be a selector. Received: layers={layers!r}"
+            )
         blocks.append(where)
     block_of = groups_module.exclusive_owners(
         model, variables, blocks,

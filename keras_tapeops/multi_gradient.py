@@ -43,7 +43,7 @@ class MultiGradientOption(ConfigRepr):
     ```
     """
 
-    option_name = None
+    option_name: str | None = None
 
     def bind(self, model, tree):
         """Returns this option's `MultiGradientState` for `model`.

@@ -5,6 +5,8 @@ accumulator) is that model's own state: see `keras_tapeops.state`.
 """
 
 import inspect
+from typing import Any
+from typing import Callable
 
 import keras
 
@@ -42,14 +44,16 @@ class Option:
         doc: one line for `compile()`'s docstring.
     """
 
-    def __init__(self, name, default, kind, validate, doc):
+    def __init__(
+        self, name: str, default: Any, kind: str, validate: Callable[[Any], Any], doc: str
+    ) -> None:
         self.name = name
         self.default = default
         self.kind = kind
         self.validate = validate
         self.doc = doc
 
-    def is_set(self, value):
+    def is_set(self, value: Any) -> bool:
         """True when `value` changes the stock step."""
         if self.kind == "list":
             return bool(value)
@@ -59,18 +63,18 @@ class Option:
             return value is not None
         return False  # a choice only matters with another option set
 
-    def label(self, value):
+    def label(self, value: Any) -> str:
         """How `set_option_names` shows a set value."""
         return f"{self.name}={value}" if self.kind == "int" else self.name
 
-    def serialize(self, value, model):
+    def serialize(self, value: Any, model: Any) -> Any:
         if self.kind == "list":
             return serialize_all(value, model)
         if self.kind == "object":
             return serialize_all([value], model)[0] if value is not None else None
         return value
 
-    def deserialize(self, value):
+    def deserialize(self, value: Any) -> Any:
         if self.kind == "list" and value:
             return [keras.saving.deserialize_keras_object(c) for c in value]
         if self.kind == "object" and value:
@@ -176,7 +180,18 @@ class TapeOpsOptions(ConfigRepr):
     ```
     """
 
-    def __init__(self, **kwargs):
+    # Set in __init__, one attribute per row of `OPTIONS` (declared for type checkers).
+    gradient_transforms: tuple[GradientTransform, ...]
+    loss_terms: tuple[Term, ...]
+    micro_batches: int
+    accumulation_steps: int
+    batch_norm_updates: str
+    sharpness_aware: SAM | None
+    task_balancing: MultiGradientOption | None
+    differential_privacy: MultiGradientOption | None
+    sample_selection: MultiGradientOption | None
+
+    def __init__(self, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(
@@ -188,7 +203,7 @@ class TapeOpsOptions(ConfigRepr):
         check_combinations(self)
 
     @classmethod
-    def pop_from(cls, kwargs):
+    def pop_from(cls, kwargs: dict[str, Any]) -> "TapeOpsOptions":
         """Validated options from (and removed from) `compile()`'s kwargs.
 
         Args:
@@ -201,7 +216,7 @@ class TapeOpsOptions(ConfigRepr):
         return cls(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
 
     @property
-    def multi_gradient(self):
+    def multi_gradient(self) -> tuple[str, MultiGradientOption] | None:
         """`(name, option)` of the multi-gradient option that is set, or None.
 
         `check_combinations` allows at most one unless an option says it
@@ -213,21 +228,21 @@ class TapeOpsOptions(ConfigRepr):
         return None
 
     @property
-    def transforms(self):
+    def transforms(self) -> tuple[GradientTransform, ...]:
         """The gradient transforms (a tuple)."""
         return self.gradient_transforms
 
     @property
-    def terms(self):
+    def terms(self) -> tuple[Term, ...]:
         """The loss terms (a tuple)."""
         return self.loss_terms
 
     @property
-    def is_stock(self):
+    def is_stock(self) -> bool:
         """True when no option changes the stock step."""
         return not self.set_option_names()
 
-    def set_option_names(self):
+    def set_option_names(self) -> list[str]:
         """The options that change the stock step, as `compile()` arguments.
 
         Returns:
@@ -241,11 +256,11 @@ class TapeOpsOptions(ConfigRepr):
         ]
 
     @property
-    def accumulates(self):
+    def accumulates(self) -> bool:
         """True when gradients are summed over micro-batches or batches."""
         return self.micro_batches > 1 or self.accumulation_steps > 1
 
-    def get_config(self, model=None):
+    def get_config(self, model: Any = None) -> dict[str, Any]:
         """Returns the options as compile-config entries.
 
         Args:
@@ -262,7 +277,7 @@ class TapeOpsOptions(ConfigRepr):
         }
 
     @staticmethod
-    def kwargs_from_config(config):
+    def kwargs_from_config(config: dict[str, Any]) -> dict[str, Any]:
         """Returns compile() keyword arguments from `get_config()` output."""
         kwargs = dict(config)
         for option in OPTIONS:
@@ -271,7 +286,7 @@ class TapeOpsOptions(ConfigRepr):
         return kwargs
 
 
-def compile_signature(compile_method):
+def compile_signature(compile_method: Callable[..., Any]) -> inspect.Signature:
     """`compile(self, *args, <the table's options, keyword-only>, **kwargs)`.
 
     Args:

@@ -7,6 +7,9 @@ gradient gives a finite value and finite weight gradients.
 """
 
 import numbers
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -15,7 +18,10 @@ from keras_tapeops import validation
 _TINY = 1e-30
 
 
-def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
+def gradient_penalty(
+    critic: Callable[..., Any], real: Any, fake: Any, alpha: Any = None,
+    target: float = 1.0, training: bool = True,
+) -> tf.Tensor:
     """WGAN-GP penalty `mean((||grad_x critic(x_hat)||_2 - target)^2)`.
 
     `x_hat = real + alpha * (fake - real)`, one interpolation per sample. The
@@ -72,7 +78,7 @@ def gradient_penalty(critic, real, fake, alpha=None, target=1.0, training=True):
     return tf.reduce_mean(tf.square(norm - tf.cast(target, "float32")))
 
 
-def per_sample_norm(grads):
+def per_sample_norm(grads: Sequence[Any]) -> tf.Tensor:
     """Per-sample L2 norm of a list of batch-first tensors, taken jointly.
 
     Safe at zero: the squared norm is clamped below at 1e-30 (so a zero
@@ -178,7 +184,7 @@ def _validate(critic, real, fake, alpha, target, training):
         )
 
 
-def validate_target(target):
+def validate_target(target: Any) -> float:
     """Checks a penalty `target` (a non-negative finite number); returns it as float."""
     return validation.non_negative_number(target, "target")
 

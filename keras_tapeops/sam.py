@@ -24,6 +24,9 @@ batch's gradient); with `accumulation_steps`, every batch is perturbed by its
 own gradient and the windows sum the second gradients.
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import selectors
@@ -56,16 +59,20 @@ class SAM(ConfigRepr):
     ```
     """
 
-    def __init__(self, rho=0.05, adaptive=False, where=None):
+    def __init__(
+        self, rho: float = 0.05, adaptive: bool = False, where: selectors.Selector = None
+    ) -> None:
         self.rho = validation.non_negative_number(rho, "rho")
         self.adaptive = validation.boolean(adaptive, "adaptive")
         self.where = selectors.validate_selector(where)
 
-    def bind(self, model, variables, tree=None):
+    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> list[bool]:
         """Returns the selection (list of bools) for `model`'s `variables`."""
         return selectors.select(self.where, model, variables, tree)
 
-    def perturbation(self, grads, variables, selected):
+    def perturbation(
+        self, grads: Sequence[Any], variables: Sequence[Any], selected: Sequence[bool]
+    ) -> list[Any]:
         """`e` for every variable (None where not selected or no gradient).
 
         Args:
@@ -76,7 +83,7 @@ class SAM(ConfigRepr):
         Returns:
             A list of tensors or None, aligned with `variables`.
         """
-        scaled = []
+        scaled: list[Any] = []
         for g, v, on in zip(grads, variables, selected):
             if not on or g is None:
                 scaled.append(None)
@@ -90,7 +97,7 @@ class SAM(ConfigRepr):
             return scaled
         norm = tf.sqrt(tf.add_n([squared_norm(s) for s in present]))
         factor = self.rho / tf.maximum(norm, 1e-12)
-        out = []
+        out: list[Any] = []
         for s, v in zip(scaled, variables):
             if s is None:
                 out.append(None)
@@ -100,7 +107,7 @@ class SAM(ConfigRepr):
             out.append(tf.cast(s * factor, v.dtype))
         return out
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "rho": self.rho,
             "adaptive": self.adaptive,
@@ -108,7 +115,7 @@ class SAM(ConfigRepr):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "SAM":
         config = dict(config)
         config["where"] = selectors.deserialize_selector(config.get("where"))
         return cls(**config)

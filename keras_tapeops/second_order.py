@@ -30,6 +30,8 @@ so they can run from a callback or inside a custom `train_step`.
 
 import numbers
 import weakref
+from typing import Any
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -39,7 +41,10 @@ from keras_tapeops._keras import private
 from keras_tapeops import validation
 
 
-def hessian_vector_product(model, x, y, vectors, sample_weight=None, training=False):
+def hessian_vector_product(
+    model: keras.Model, x: Any, y: Any, vectors: Sequence[Any], sample_weight: Any = None,
+    training: bool = False,
+) -> list[tf.Tensor]:
     """Returns `H @ v`, `H` the Hessian of the model's loss on one batch.
 
     Args:
@@ -80,7 +85,10 @@ def hessian_vector_product(model, x, y, vectors, sample_weight=None, training=Fa
     return _hvp_function(model)(x, y, sample_weight, vectors, training)
 
 
-def top_hessian_eigenvalue(model, data, iterations=20, seed=None, tolerance=1e-4):
+def top_hessian_eigenvalue(
+    model: keras.Model, data: Any, iterations: int = 20, seed: int | None = None,
+    tolerance: float = 1e-4,
+) -> float:
     """Returns the largest-magnitude eigenvalue of the loss Hessian, by power iteration.
 
     `H` is the Hessian of the loss over all of `data`: each batch's product is
@@ -149,6 +157,7 @@ def top_hessian_eigenvalue(model, data, iterations=20, seed=None, tolerance=1e-4
         estimate = new
         if converged:
             break
+    assert estimate is not None  # iterations >= 1
     return estimate
 
 
@@ -156,7 +165,7 @@ def top_hessian_eigenvalue(model, data, iterations=20, seed=None, tolerance=1e-4
 
 # model -> (what the trace baked in, tf.function). The function holds only a
 # weak reference to the model, so the cache never keeps one alive.
-_FUNCTIONS = weakref.WeakKeyDictionary()
+_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _hvp_function(model):

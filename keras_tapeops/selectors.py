@@ -30,6 +30,10 @@ import fnmatch
 import threading
 import types
 import warnings
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import Union
 
 import keras
 
@@ -72,6 +76,10 @@ class LayerPath:
 
     def __hash__(self):
         return hash(("LayerPath", self.path))
+
+
+#: What a `where=` argument accepts (see the module docstring), for annotations.
+Selector = Union[None, str, Sequence[str], "keras.layers.Layer", LayerPath, Callable[[Any], bool]]
 
 
 def validate_selector(where):
@@ -384,7 +392,10 @@ def serialize_callable(fn, name, owner=None):
         restored = None
     loads_back = restored is fn if _is_function(fn) else restored is not None
     if not loads_back:
-        subject = f"{owner} cannot be saved: its `{name}`" if owner else f"`{name}` cannot be saved: it"
+        if owner:
+            subject = f"{owner} cannot be saved: its `{name}`"
+        else:
+            subject = f"`{name}` cannot be saved: it"
         raise ValueError(
             f"{subject} is not registered for Keras "
             "serialization (lambdas and local functions cannot be). Define it "

@@ -30,6 +30,7 @@ given and it is returned uncompiled, as stock Keras does.
 import importlib
 import inspect
 import weakref
+from typing import Any
 
 import keras
 
@@ -71,7 +72,7 @@ class TapeOpsFunctional(TapeOpsMixin, keras.Model):
     """
 
 
-def upgrade(model):
+def upgrade(model: keras.Model) -> keras.Model:
     """Returns a keras_tapeops-enabled model with `model`'s layers and weights.
 
     Args:
@@ -154,7 +155,7 @@ def _subclassed_model_message(cls):
     )
 
 
-def upgraded_class(cls):
+def upgraded_class(cls: type[Any]) -> type[Any]:
     """Returns the keras_tapeops-enabled subclass of a model class (one per class).
 
     The class is named `"TapeOps" + cls.__name__` and lists `cls`, then
@@ -212,7 +213,7 @@ def upgraded_class(cls):
 
 # Original class -> upgraded class; weak so a class defined in a test or a
 # notebook cell can go away.
-_UPGRADED_CLASSES = weakref.WeakKeyDictionary()
+_UPGRADED_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _UpgradedModel:

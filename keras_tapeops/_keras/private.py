@@ -83,7 +83,7 @@ def optimizer_all_reduce_disabled(optimizer):
 
 
 _PATCH_LOCK = threading.Lock()
-_PATCH_DEPTH = {}  # id(optimizer) -> how many blocks are open on it
+_PATCH_DEPTH: dict[int, int] = {}  # id(optimizer) -> how many blocks are open on it
 
 
 def _identity_all_reduce(grads_and_vars):

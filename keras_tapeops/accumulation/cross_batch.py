@@ -49,7 +49,7 @@ from keras_tapeops.replicas import batch_size
 
 # model -> {thread: (kind, normalizer tensor)} of the batch whose pass was just
 # traced (MirroredStrategy traces each replica's step in its own thread).
-_PENDING = weakref.WeakKeyDictionary()
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def window_gradients(model, x, y, sample_weight):

@@ -137,7 +137,10 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             )
             parts = [g] + list(masked)
             sums = [
-                [s + t for s, t in zip(part_sums, [_dense(t) for t, on in zip(part, on_list) if on])]
+                [
+                    s + t
+                    for s, t in zip(part_sums, [_dense(t) for t, on in zip(part, on_list) if on])
+                ]
                 for part_sums, part, on_list in zip(sums, parts, present)
             ]
             sizes = [a + b for a, b in zip(sizes, masked_sizes)]

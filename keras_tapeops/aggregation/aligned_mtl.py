@@ -10,6 +10,9 @@ choice and torchjd's default), `"median"` (the lower median) or `"rmse"`
 (their mean, as in the original implementation).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -42,8 +45,11 @@ def aligned_mtl_weights(gramian, scale_mode="min"):
     elif scale_mode == "median":  # torch.median: the lower of the two middle values
         scale = tf.gather(values, k - rank + (rank - 1) // 2)
     else:
-        scale = tf.reduce_sum(tf.where(kept, values, 0.0)) / tf.cast(tf.maximum(rank, 1), tf.float32)
-    balance = tf.sqrt(scale) * tf.matmul(vectors * inverse_sqrt[tf.newaxis], vectors, transpose_b=True)
+        kept_sum = tf.reduce_sum(tf.where(kept, values, 0.0))
+        scale = kept_sum / tf.cast(tf.maximum(rank, 1), tf.float32)
+    balance = tf.sqrt(scale) * tf.matmul(
+        vectors * inverse_sqrt[tf.newaxis], vectors, transpose_b=True
+    )
     weights = tf.linalg.matvec(balance, preference)
     return tf.where(rank > 0, weights, preference)
 
@@ -63,7 +69,9 @@ class AlignedMTL(Aggregator):
     ```
     """
 
-    def __init__(self, scale_mode="min", shared=None, tasks=None):
+    def __init__(
+        self, scale_mode: str = "min", shared: Any = None, tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.scale_mode = validation.choice(scale_mode, "scale_mode", SCALE_MODES)
 

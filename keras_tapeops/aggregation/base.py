@@ -6,6 +6,9 @@ An aggregator is a small class over the `K x K` Gramian of the rows
 (torchjd's `GramianWeightedAggregator`). The rows themselves are computed
 apart (`keras_tapeops.rows`), so each aggregator is a pure function of a
 small matrix, testable with NumPy.
+
+`Aggregator` is a public extension point: a user aggregator subclasses it
+and implements `weights(gramian, context) -> [K]` (see `docs/extending.md`).
 """
 
 import tensorflow as tf
@@ -16,9 +19,23 @@ from keras_tapeops.multitask.option import TaskBalancing
 
 
 class Aggregator(TaskBalancing):
-    """Base class of the gradient aggregators (`kind = "rows"`).
+    """Base class of the gradient aggregators (`kind = "rows"`); public.
 
-    Subclasses implement `weights(gramian, context) -> [K]`.
+    Subclasses implement one method, `weights(gramian, context) -> [K]`.
+    The rows are the per-task gradients `g_k = d L_k / d shared` (`L_k` with
+    compile's `loss_weights` applied) of the shared variables, `gramian` is
+    their `[K, K]` float32 Gramian `J J^T` (summed over replicas and over the
+    passes of an applied step), and the shared variables' gradient is
+    `sum_k w_k g_k`; the other variables (the heads) get their ordinary
+    gradient. `weights` runs once per applied optimizer step, in float32,
+    inside the step function (use TensorFlow ops). `context` is a
+    `keras_tapeops.multitask.StepContext` (`num_tasks`, `losses`, `step`,
+    `seed`, `state`). Learned state: `initial_state`/`update`, as for
+    `keras_tapeops.multitask.LossWeighting`.
+
+    A user aggregator is immutable configuration: extend `get_config()`
+    with its own arguments (`shared` and `tasks` are saved by the base) and
+    register the class with `keras.saving.register_keras_serializable`.
 
     Args:
         shared: selector of the shared variables (see `TaskBalancing`).
@@ -26,14 +43,30 @@ class Aggregator(TaskBalancing):
 
     Example:
     ```python
+    import keras
+    import tensorflow as tf
+    from keras_tapeops.aggregation import Aggregator
+
+    @keras.saving.register_keras_serializable(package="my_aggregators")
     class Mean(Aggregator):
         def weights(self, gramian, context):
             k = context.num_tasks
             return tf.fill([k], 1.0 / k)
+
+    Mean(shared="trunk/*").aggregate([[1.0, 0.0], [0.0, 1.0]])  # [0.5, 0.5]
     ```
     """
 
     kind = "rows"
+
+    def bind(self, model, tree):
+        if type(self).weights is TaskBalancing.weights:
+            raise TypeError(
+                f"{type(self).__name__} is an Aggregator but does not implement "
+                "`weights(gramian, context)`, which returns the [K] weights of the "
+                f"task gradients. Received: task_balancing={self!r}"
+            )
+        return super().bind(model, tree)
 
     def aggregate(self, rows, context=None):
         """`weights(J J^T)^T J`: the aggregated `[P]` gradient of `[K, P]` rows.

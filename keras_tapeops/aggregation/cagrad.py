@@ -15,6 +15,9 @@ cvxpy): on each face of the simplex its minimizer has a closed form
 vertices and the min-norm point is taken (see `qp`).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -91,7 +94,10 @@ class CAGrad(Aggregator):
 
     max_tasks = qp.MAX_TASKS
 
-    def __init__(self, c=0.4, rescale=1, shared=None, tasks=None):
+    def __init__(
+        self, c: float = 0.4, rescale: int = 1, shared: Any = None,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.c = validation.non_negative_number(c, "c")
         if rescale not in (0, 1, 2) or isinstance(rescale, bool):

@@ -20,6 +20,9 @@ official code the `Z` gradient is the whole `[batch, ...]` tensor (LibMTL
 sums it over the batch).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import paths
@@ -81,8 +84,10 @@ class MGDA(Aggregator):
 
     max_tasks = qp.MAX_TASKS
 
-    def __init__(self, shared=None, tasks=None, on="parameters", representation=None,
-                 normalization="none"):
+    def __init__(
+        self, shared: Any = None, tasks: Sequence[str] | None = None, on: str = "parameters",
+        representation: Any = None, normalization: str = "none",
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.on = validation.choice(on, "on", ("parameters", "representation"))
         if representation is not None:

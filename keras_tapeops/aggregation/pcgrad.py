@@ -13,6 +13,9 @@ of the projected gradients. The orders are drawn with a stateless RNG from
 same ones.
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -85,7 +88,9 @@ class PCGrad(Aggregator):
     ```
     """
 
-    def __init__(self, shared=None, tasks=None, seed=None):
+    def __init__(
+        self, shared: Any = None, tasks: Sequence[str] | None = None, seed: int | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         if seed is not None:
             seed = validation.finite_number(seed, "seed", minimum=0)

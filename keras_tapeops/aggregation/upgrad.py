@@ -9,6 +9,9 @@ torchjd calls quadprog, we solve the same box-constrained QPs exactly
 inside the step (`qp.dual_cone_weights`).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -54,7 +57,10 @@ class UPGrad(Aggregator):
 
     max_tasks = qp.MAX_TASKS
 
-    def __init__(self, norm_eps=1e-4, reg_eps=1e-4, shared=None, tasks=None):
+    def __init__(
+        self, norm_eps: float = 1e-4, reg_eps: float = 1e-4, shared: Any = None,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.norm_eps = validation.non_negative_number(norm_eps, "norm_eps")
         self.reg_eps = validation.positive_number(reg_eps, "reg_eps")

@@ -17,6 +17,7 @@ taken per example over all of them together.
 """
 
 import numbers
+from typing import Any
 
 import tensorflow as tf
 
@@ -64,9 +65,11 @@ class Attack(ConfigRepr):
     """
 
     def __init__(
-        self, epsilon, step_size, steps, norm="inf", random_start=True,
-        clip=None, inputs=None, loss=None, seed=None,
-    ):
+        self, epsilon: float, step_size: float, steps: int, norm: str = "inf",
+        random_start: bool = True,
+        clip: tuple[float, float] | None = None, inputs: Any = None, loss: Any = None,
+        seed: int | None = None,
+    ) -> None:
         self.epsilon = validation.positive_number(epsilon, "epsilon")
         self.step_size = validation.positive_number(step_size, "step_size")
         self.steps = validation.positive_int(steps, "steps")
@@ -77,7 +80,7 @@ class Attack(ConfigRepr):
         self.loss = objectives.validate_loss(loss)
         self.seed = noise.validate_seed(seed)
 
-    def __call__(self, model, x, y, sample_weight=None):
+    def __call__(self, model: Any, x: Any, y: Any, sample_weight: Any = None) -> Any:
         """Returns the adversarial version of `x` (same structure and dtypes).
 
         Args:

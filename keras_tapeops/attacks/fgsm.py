@@ -1,5 +1,7 @@
 """`FGSM`: one gradient step (Goodfellow et al. 2015), with a random start (Wong et al. 2020)."""
 
+from typing import Any
+
 from keras_tapeops import validation
 from keras_tapeops.attacks.base import Attack
 from keras_tapeops.registration import register
@@ -40,9 +42,10 @@ class FGSM(Attack):
     """
 
     def __init__(
-        self, epsilon, random_start=True, step_size=None, clip=None, inputs=None,
-        norm="inf", loss=None, seed=None,
-    ):
+        self, epsilon: float, random_start: bool = True, step_size: float | None = None,
+        clip: tuple[float, float] | None = None, inputs: Any = None, norm: str = "inf",
+        loss: Any = None, seed: int | None = None,
+    ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")
         random_start = validation.boolean(random_start, "random_start")
         if step_size is None:

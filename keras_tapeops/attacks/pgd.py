@@ -1,5 +1,7 @@
 """`PGD`: projected gradient descent on the loss, ascending (Madry et al. 2018)."""
 
+from typing import Any
+
 from keras_tapeops import validation
 from keras_tapeops.attacks.base import Attack
 from keras_tapeops.registration import register
@@ -44,9 +46,11 @@ class PGD(Attack):
     """
 
     def __init__(
-        self, epsilon, step_size=None, steps=10, norm="inf", random_start=True,
-        clip=None, inputs=None, loss=None, seed=None,
-    ):
+        self, epsilon: float, step_size: float | None = None, steps: int = 10,
+        norm: str = "inf", random_start: bool = True,
+        clip: tuple[float, float] | None = None, inputs: Any = None, loss: Any = None,
+        seed: int | None = None,
+    ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")
         steps = validation.positive_int(steps, "steps")
         if step_size is None:

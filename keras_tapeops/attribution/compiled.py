@@ -27,8 +27,8 @@ from keras_tapeops._keras import private
 # model -> {static key: tf.function}, and model -> {static key: the
 # fingerprint the function was traced for}. Each function holds only a weak
 # reference to its model, so the caches never keep a model alive.
-_FUNCTIONS = weakref.WeakKeyDictionary()
-_FINGERPRINTS = weakref.WeakKeyDictionary()
+_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fingerprint(model):

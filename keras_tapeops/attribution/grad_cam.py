@@ -1,5 +1,7 @@
 """`grad_cam`: gradient-weighted class activation maps (Selvaraju et al. 2017)."""
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -11,7 +13,9 @@ from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
 
 
-def grad_cam(model, x, layer, target=None, upsample=False):
+def grad_cam(
+    model: Any, x: Any, layer: Any, target: Any = None, upsample: bool = False
+) -> np.ndarray:
     """Grad-CAM: `relu(sum_c w_c * A_c)`, `w_c` the spatial mean of `d score / d A_c`.
 
     `A` is the output of `layer` (channels last) in the same forward pass as

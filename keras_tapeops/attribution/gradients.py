@@ -6,6 +6,8 @@ and backward pass, or in chunks of `batch_size` points inside a
 `tf.map_fn` (one trace, no Python loop over points).
 """
 
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -15,7 +17,7 @@ from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
 
 
-def saliency(model, x, target=None, absolute=True):
+def saliency(model: Any, x: Any, target: Any = None, absolute: bool = True) -> np.ndarray:
     """The gradient of the target output with respect to the input (Simonyan et al. 2014).
 
     Args:
@@ -61,8 +63,10 @@ def saliency(model, x, target=None, absolute=True):
     return np.abs(grads) if absolute else grads
 
 
-def smoothgrad(model, x, target=None, samples=25, noise=0.15, absolute=True,
-               seed=None, batch_size=None):
+def smoothgrad(
+    model: Any, x: Any, target: Any = None, samples: int = 25, noise: float = 0.15,
+    absolute: bool = True, seed: int | None = None, batch_size: int | None = None,
+) -> np.ndarray:
     """The gradient averaged over noisy copies of the input (Smilkov et al. 2017).
 
     Each example gets `samples` copies `x + N(0, sigma^2)` with

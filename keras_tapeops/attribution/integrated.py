@@ -1,4 +1,9 @@
-"""`integrated_gradients`: path integral of the gradient from a baseline (Sundararajan et al. 2017)."""
+"""`integrated_gradients`: path integral of the gradient from a baseline.
+
+Sundararajan et al. 2017.
+"""
+
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -10,7 +15,10 @@ from keras_tapeops.attribution.gradients import _groups_per_pass
 from keras_tapeops.attribution.gradients import batched_gradients
 
 
-def integrated_gradients(model, x, baseline=None, target=None, steps=50, batch_size=None):
+def integrated_gradients(
+    model: Any, x: Any, baseline: Any = None, target: Any = None, steps: int = 50,
+    batch_size: int | None = None,
+) -> np.ndarray:
     """Integrated Gradients with the trapezoid rule over `steps` intervals.
 
     `IG = (x - baseline) * mean_k (g(a_k) + g(a_{k+1})) / 2`, `g(a)` the

@@ -42,6 +42,7 @@ How it works, in Keras 3 terms:
 """
 
 import numbers
+from typing import Any
 
 import keras
 import numpy as np
@@ -79,18 +80,18 @@ class GradualUnfreezing(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, schedule, unit="epoch", verbose=0):
+    def __init__(self, schedule: Any, unit: str = "epoch", verbose: int = 0) -> None:
         super().__init__()
         self.schedule = _check_schedule(schedule)
         if not isinstance(unit, str) or unit not in UNITS:
             raise ValueError(f"`unit` must be one of {list(UNITS)}. Received: unit={unit!r}")
         self.unit = unit
         self.verbose = check_verbose(verbose)
-        self._entries = []  # [(variables, at)] resolved for the model in fit
-        self._frozen = frozenset()
-        self._initial_flags = {}
-        self._layers = []  # [(layer, ids of its own trainable variables)]
-        self._initial_layer_flags = {}
+        self._entries: list[Any] = []  # [(variables, at)] resolved for the model in fit
+        self._frozen: frozenset[Any] = frozenset()
+        self._initial_flags: dict[Any, Any] = {}
+        self._layers: list[Any] = []  # [(layer, ids of its own trainable variables)]
+        self._initial_layer_flags: dict[Any, Any] = {}
         self._done = False
 
     # ------------------------------------------------------------ callbacks

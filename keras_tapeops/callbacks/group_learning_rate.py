@@ -12,6 +12,7 @@ them.
 """
 
 import numbers
+from typing import Any
 
 import keras
 import numpy as np
@@ -85,7 +86,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, schedule=None, log=False, verbose=0):
+    def __init__(self, schedule: Any = None, log: bool = False, verbose: int = 0) -> None:
         super().__init__()
         self.schedule = _check_schedule(schedule)
         self.log = validation.boolean(log, "log")

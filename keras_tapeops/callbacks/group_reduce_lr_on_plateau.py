@@ -51,9 +51,10 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, monitor="val_loss", factor=0.1, patience=10, verbose=0, mode="auto",
-        min_delta=1e-4, cooldown=0, min_lr=0.0, log=False,
-    ):
+        self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, verbose: int = 0,
+        mode: str = "auto", min_delta: float = 1e-4, cooldown: int = 0, min_lr: float = 0.0,
+        log: bool = False,
+    ) -> None:
         super().__init__()
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"`monitor` must be a non-empty string. Received: monitor={monitor!r}")

@@ -59,9 +59,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, dataset_size, delta=1e-5, target_epsilon=None, sampling_rate=None,
-        accountant="pld", name="epsilon",
-    ):
+        self, dataset_size: int, delta: float = 1e-5, target_epsilon: float | None = None,
+        sampling_rate: float | None = None, accountant: str = "pld", name: str = "epsilon",
+    ) -> None:
         super().__init__()
         self.dataset_size = validation.positive_int(dataset_size, "dataset_size")
         self.delta = validation.positive_number(delta, "delta")

@@ -1,5 +1,7 @@
 """`RobustAccuracy`: logs accuracy under attack at the end of every epoch."""
 
+from typing import Any
+
 from keras_tapeops import validation
 from keras_tapeops.attacks.robustness import RobustnessEvaluator
 from keras_tapeops.callbacks.epoch_measure import EpochMeasure
@@ -42,7 +44,10 @@ class RobustAccuracy(EpochMeasure):
     ```
     """
 
-    def __init__(self, data, attack, name="robust_accuracy", batch_size=None, every=1):
+    def __init__(
+        self, data: Any, attack: Any, name: str = "robust_accuracy", batch_size: int | None = None,
+        every: int = 1,
+    ) -> None:
         self.evaluator = RobustnessEvaluator(attack)
         self.attack = attack
         if batch_size is not None:

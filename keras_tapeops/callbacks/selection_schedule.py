@@ -1,5 +1,8 @@
 """`kt.callbacks.SelectionSchedule`: change the kept fraction or the threshold per epoch."""
 
+from typing import Any
+from typing import Callable
+
 import keras
 
 from keras_tapeops import validation
@@ -36,7 +39,7 @@ class SelectionSchedule(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, schedule, verbose=0):
+    def __init__(self, schedule: Callable[[int], Any], verbose: int = 0) -> None:
         super().__init__()
         if not callable(schedule):
             raise TypeError(

@@ -1,5 +1,7 @@
 """`Sharpness`: logs the top Hessian eigenvalue of the loss during `fit`."""
 
+from typing import Any
+
 from keras_tapeops import second_order
 from keras_tapeops import validation
 from keras_tapeops.callbacks.epoch_measure import EpochMeasure
@@ -46,8 +48,9 @@ class Sharpness(EpochMeasure):
     """
 
     def __init__(
-        self, data, every=1, iterations=20, name="sharpness", seed=None, tolerance=1e-4
-    ):
+        self, data: Any, every: int = 1, iterations: int = 20, name: str = "sharpness",
+        seed: int | None = None, tolerance: float = 1e-4,
+    ) -> None:
         super().__init__(data, name, every)
         self.iterations = validation.positive_int(iterations, "iterations")
         self.seed = second_order._check_seed(seed)

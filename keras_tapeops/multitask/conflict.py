@@ -10,6 +10,9 @@ plain sum is likely as good (Kurin et al., 2022). The other steps cost
 nothing extra.
 """
 
+from typing import Any
+from typing import Sequence
+
 from keras_tapeops import validation
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
@@ -38,7 +41,9 @@ class MeasureConflict(TaskBalancing):
     kind = "conflict"
     logs_weights = False
 
-    def __init__(self, every=10, shared=None, tasks=None):
+    def __init__(
+        self, every: int = 10, shared: Any = None, tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.every = validation.positive_int(every, "every")
 

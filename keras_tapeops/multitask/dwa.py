@@ -9,6 +9,8 @@ over epoch `e`. An epoch is `fit()`'s epoch (see `epochs`); the weights are
 constant within an epoch, so accumulation steps equal the large batch.
 """
 
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -34,7 +36,7 @@ class DWA(TaskBalancing):
     takes_shared = False
     needs_epochs = True
 
-    def __init__(self, temperature=2.0, tasks=None):
+    def __init__(self, temperature: float = 2.0, tasks: Sequence[str] | None = None) -> None:
         super().__init__(tasks=tasks)
         self.temperature = validation.positive_number(temperature, "temperature")
 

@@ -26,6 +26,8 @@ all-reduce in the pass), so `micro_batches` are refused (no
 synchronization inside the micro-batch loop).
 """
 
+from typing import Sequence
+
 import numpy as np
 import tensorflow as tf
 
@@ -63,7 +65,10 @@ class FAMO(TaskBalancing):
     takes_shared = False
     needs_global_losses = True
 
-    def __init__(self, learning_rate=0.025, weight_decay=1e-3, tasks=None):
+    def __init__(
+        self, learning_rate: float = 0.025, weight_decay: float = 1e-3,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(tasks=tasks)
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
         self.weight_decay = validation.non_negative_number(weight_decay, "weight_decay")
@@ -113,7 +118,10 @@ class FAMO(TaskBalancing):
         state["has_previous"].assign(tf.where(finite, 1.0, state["has_previous"]))
 
     def micro_batch_refusal(self, replicas):
-        return "FAMO weighs each pass with the log of its own losses, so micro-batches would not add up to the batch"
+        return (
+            "FAMO weighs each pass with the log of its own losses, "
+            "so micro-batches would not add up to the batch"
+        )
 
     def get_config(self):
         return {

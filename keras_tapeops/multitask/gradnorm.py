@@ -18,6 +18,9 @@ optimizer step by Adam (`learning_rate`) along `d/dp sum_k |G_k - target_k|`
 (targets held constant).
 """
 
+from typing import Any
+from typing import Sequence
+
 import numpy as np
 import tensorflow as tf
 
@@ -48,13 +51,19 @@ class GradNorm(TaskBalancing):
     kind = "rows"
     needs_epochs = True
 
-    def __init__(self, alpha=1.5, learning_rate=0.01, shared=None, tasks=None):
+    def __init__(
+        self, alpha: float = 1.5, learning_rate: float = 0.01, shared: Any = None,
+        tasks: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.alpha = validation.non_negative_number(alpha, "alpha")
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
 
     def initial_state(self, num_tasks):
-        return {"logits": np.ones([num_tasks], "float32"), **learned.adam_state("logits", num_tasks)}
+        return {
+            "logits": np.ones([num_tasks], "float32"),
+            **learned.adam_state("logits", num_tasks),
+        }
 
     def _active(self, context):
         return tf.convert_to_tensor(context.epochs.completed) >= 1.0

@@ -61,7 +61,9 @@ class TaskMetrics(keras.metrics.Metric):
         self.total = self.add_variable(
             shape=(len(names),), initializer="zeros", name="total", aggregation="sum"
         )
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
+        self.count = self.add_variable(
+            shape=(), initializer="zeros", name="count", aggregation="sum"
+        )
         self._model_ref = [model]  # a list: not tracked as a sub-layer
         self._epochs = epochs
 

@@ -14,7 +14,15 @@ step's gradient is made (`kind`):
 - `"representation"`: MGDA's upper bound on the shared representation;
 - `"conflict"`: the plain step, with the rows measured now and then
   (`MeasureConflict`).
+
+Extension points (see `docs/extending.md`): a user loss weighting subclasses
+`LossWeighting` and implements `pass_weights(context) -> [K]`; a user
+gradient aggregator subclasses `keras_tapeops.aggregation.Aggregator` and
+implements `weights(gramian, context) -> [K]`.
 """
+
+from typing import Any
+from typing import Sequence
 
 from keras_tapeops import selectors
 from keras_tapeops.multi_gradient import MultiGradientOption
@@ -34,10 +42,18 @@ class TaskBalancing(MultiGradientOption):
         tasks: None (every output with a loss) or a list of output names;
             other outputs' losses then get the ordinary gradient.
 
+    A user-defined method subclasses one of the two public bases below it,
+    `LossWeighting` (`pass_weights`) or `keras_tapeops.aggregation.Aggregator`
+    (`weights`), rather than this class.
+
     Example:
     ```python
+    import tensorflow as tf
+    from keras_tapeops.multitask import TaskBalancing
+
     class EqualWeights(TaskBalancing):
         kind = "weighting"
+        takes_shared = False
         def pass_weights(self, context):
             return tf.ones([context.num_tasks])
     ```
@@ -46,12 +62,12 @@ class TaskBalancing(MultiGradientOption):
     option_name = "task_balancing"
     kind = "rows"
     takes_shared = True  # False for loss weightings (they touch every variable alike)
-    max_tasks = None  # set by aggregators whose sub-problem grows as 2^K
+    max_tasks: int | None = None  # set by aggregators whose sub-problem grows as 2^K
     needs_epochs = False  # DWA and GradNorm read per-epoch task losses
     needs_global_losses = False  # pass weights from this pass's losses summed over replicas
     logs_weights = True
 
-    def __init__(self, shared=None, tasks=None):
+    def __init__(self, shared: Any = None, tasks: Sequence[str] | None = None) -> None:
         if self.takes_shared:
             self.shared = _validate_shared(shared)
         self.tasks = task_resolution.validate_tasks(tasks)
@@ -92,6 +108,83 @@ class TaskBalancing(MultiGradientOption):
         if "shared" in config:
             config["shared"] = selectors.deserialize_selector(config["shared"])
         return cls(**config)
+
+
+class LossWeighting(TaskBalancing):
+    """Public base of a loss weighting (`kind = "weighting"`).
+
+    Implement `pass_weights(context) -> [K]`: the multipliers of the K task
+    losses in the step's one backward pass (the step differentiates
+    `total + sum_k (w_k - 1) L_k`, so regularization and loss terms keep
+    weight 1). `L_k` already includes compile's `loss_weights`: fixed weights
+    `w` equal stock `compile(loss_weights=w)`. The weights are not
+    differentiated (`tf.stop_gradient`).
+
+    `context` is a `keras_tapeops.multitask.StepContext`: `num_tasks`,
+    `losses` (`[K]` task losses of this pass), `state` (the learned state),
+    `step` and `epochs` (per-epoch task losses when `needs_epochs = True`).
+    For learned weights also implement `initial_state(num_tasks)` (a dict
+    name -> float32 array, kept as engine variables and saved with the
+    model) and `update(context, gramian=None)` (once per applied step).
+
+    A weighting is immutable configuration: extend `get_config()` with your
+    arguments (the default `from_config` calls `cls(**config)`) and register
+    the class with `keras.saving.register_keras_serializable`.
+
+    Args:
+        tasks: None (every output with a loss) or a list of output names.
+
+    Example:
+    ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_tapeops as kt
+    from keras_tapeops.multitask import LossWeighting
+
+    @keras.saving.register_keras_serializable(package="my_weightings")
+    class Fixed(LossWeighting):
+        def __init__(self, values, tasks=None):
+            super().__init__(tasks=tasks)
+            self.values = [float(v) for v in values]
+
+        def pass_weights(self, context):
+            return tf.constant(self.values)
+
+        def get_config(self):
+            return {**super().get_config(), "values": self.values}
+
+    inputs = keras.Input((4,))
+    trunk = keras.layers.Dense(8, activation="relu", name="trunk")(inputs)
+    model = kt.upgrade(keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(trunk),
+                                            "b": keras.layers.Dense(1, name="b")(trunk)}))
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"},
+                  task_balancing=Fixed([0.3, 0.7]))
+    x = np.random.rand(16, 4)
+    model.fit(x, {"a": np.random.rand(16, 1), "b": np.random.rand(16, 1)}, verbose=0)
+    ```
+    """
+
+    kind = "weighting"
+    takes_shared = False
+
+    def __init__(self, tasks=None):
+        super().__init__(tasks=tasks)
+
+    def pass_weights(self, context):
+        """`[K]` multipliers of the task losses in this pass's backward pass."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement pass_weights(context) -> [K] weights."
+        )
+
+    def bind(self, model, tree):
+        if type(self).pass_weights is LossWeighting.pass_weights:
+            raise TypeError(
+                f"{type(self).__name__} is a LossWeighting but does not implement "
+                "`pass_weights(context)`, which returns the [K] multipliers of the "
+                f"task losses. Received: task_balancing={self!r}"
+            )
+        return super().bind(model, tree)
 
 
 def _validate_shared(shared):

@@ -13,6 +13,8 @@ optimizer step by Adam (`learning_rate`, PyTorch's defaults otherwise) along
 accumulation, the large batch's: the step equals the large-batch step).
 """
 
+from typing import Sequence
+
 import numpy as np
 import tensorflow as tf
 
@@ -45,7 +47,10 @@ class UncertaintyWeighting(TaskBalancing):
     kind = "weighting"
     takes_shared = False
 
-    def __init__(self, tasks=None, learning_rate=0.01, initial_log_variance=-0.5):
+    def __init__(
+        self, tasks: Sequence[str] | None = None, learning_rate: float = 0.01,
+        initial_log_variance: float = -0.5,
+    ) -> None:
         super().__init__(tasks=tasks)
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
         self.initial_log_variance = validation.finite_number(

@@ -6,9 +6,9 @@ evaluated on their own points, drawn from a sampler at every optimizer step;
 docs/physics_informed.md.
 """
 
-from keras_tapeops.physics.condition import ConditionLoss
+from keras_tapeops.physics.condition import ConditionLoss  # noqa: F401  (also kt.physics.*)
 from keras_tapeops.physics.lbfgs import lbfgs
-from keras_tapeops.physics.residual import PDEResidual
+from keras_tapeops.physics.residual import PDEResidual  # noqa: F401  (also kt.physics.*)
 from keras_tapeops.physics.samplers import BoxSampler
 from keras_tapeops.physics.samplers import FixedPoints
 from keras_tapeops.physics.samplers import Sampler

@@ -1,6 +1,7 @@
 """`ConditionLoss`: the mean squared mismatch of the model with given values on given points."""
 
 import numbers
+from typing import Any
 
 import keras
 import numpy as np
@@ -15,7 +16,9 @@ from keras_tapeops.registration import register
 
 @register
 class ConditionLoss(PointsTerm):
-    """Adds `weight * mean((model(points) - values)**2)` to the loss: a boundary or initial condition.
+    """Adds `weight * mean((model(points) - values)**2)` to the loss.
+
+    A boundary or initial condition.
 
     The points are the term's own (not the training batch), so several
     conditions can be trained next to a data loss and logged apart, each
@@ -55,7 +58,10 @@ class ConditionLoss(PointsTerm):
 
     points_argument = "points"
 
-    def __init__(self, points, values, weight=1.0, name="condition", in_validation=False):
+    def __init__(
+        self, points: Any, values: Any, weight: Any = 1.0, name: str = "condition",
+        in_validation: bool = False,
+    ) -> None:
         super().__init__(points, weight=weight, name=name, in_validation=in_validation)
         self.values = _check_values(values, self.sampler)
 

@@ -24,14 +24,20 @@ Vectors are float64 NumPy arrays; the loss and its gradient come from one
 `tf.function` (with `jit_compile` if the model was compiled with it).
 """
 
+from typing import Any
+from typing import Callable
+
 import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
 
 
-def lbfgs(model, x, y=None, sample_weight=None, iterations=1000, history_size=50,
-          tolerance=1e-9, callback=None):
+def lbfgs(
+    model: Any, x: Any, y: Any = None, sample_weight: Any = None, iterations: int = 1000,
+    history_size: int = 50, tolerance: float = 1e-9,
+    callback: Callable[[int, float], Any] | None = None,
+) -> Any:
     """Minimizes the model's training objective by L-BFGS, from its current weights.
 
     Args:
@@ -73,7 +79,8 @@ def lbfgs(model, x, y=None, sample_weight=None, iterations=1000, history_size=50
     tolerance = validation.non_negative_number(tolerance, "tolerance")
     if callback is not None and not callable(callback):
         raise TypeError(
-            f"`callback` must be None or a callable (iteration, loss). Received: callback={callback!r}"
+            "`callback` must be None or a callable (iteration, loss). "
+            f"Received: callback={callback!r}"
         )
     _check_model(model)
     objective = _objective(model, x, y, sample_weight)
@@ -86,9 +93,9 @@ def lbfgs(model, x, y=None, sample_weight=None, iterations=1000, history_size=50
 
     w = start
     loss, grad = evaluate(w)
-    pairs = []
+    pairs: list[Any] = []
     stalled = False
-    history = {"loss": [loss], "evaluations": 1, "stopped": "iterations"}
+    history: dict[str, Any] = {"loss": [loss], "evaluations": 1, "stopped": "iterations"}
     for iteration in range(iterations):
         if not np.isfinite(loss) or np.max(np.abs(grad)) <= tolerance:
             history["stopped"] = "gradient"

@@ -1,5 +1,9 @@
 """`PDEResidual`: the mean squared residual of a differential equation on collocation points."""
 
+from typing import Any
+from typing import Callable
+from typing import Sequence
+
 import keras
 
 from keras_tapeops import selectors
@@ -80,9 +84,10 @@ class PDEResidual(PointsTerm):
     points_argument = "collocation"
 
     def __init__(
-        self, residual_fn, collocation, order=2, mode="auto", mixed=None,
-        diagonal=None, weight=1.0, name="pde_residual", in_validation=False,
-    ):
+        self, residual_fn: Callable[..., Any], collocation: Any, order: int = 2, mode: str = "auto",
+        mixed: Sequence[tuple[int, int]] | None = None, diagonal: Any = None, weight: Any = 1.0,
+        name: str = "pde_residual", in_validation: bool = False,
+    ) -> None:
         if not callable(residual_fn):
             raise TypeError(
                 "`residual_fn` must be a callable residual_fn(x, y, dy_dx, "

@@ -8,6 +8,8 @@ calls it with the same step); `FixedPoints` returns the same array every step.
 """
 
 import numbers
+from typing import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -70,7 +72,10 @@ class BoxSampler(Sampler):
     ```
     """
 
-    def __init__(self, low, high, n, seed=0, resample_every=1):
+    def __init__(
+        self, low: Sequence[float], high: Sequence[float], n: int, seed: int | None = 0,
+        resample_every: int = 1,
+    ) -> None:
         self.low = _corner(low, "low")
         self.high = _corner(high, "high")
         if len(self.low) != len(self.high):
@@ -143,7 +148,7 @@ class FixedPoints(Sampler):
     ```
     """
 
-    def __init__(self, points):
+    def __init__(self, points: Any) -> None:
         array = np.asarray(points)
         if array.dtype.kind not in "fiu":
             raise TypeError(

@@ -65,7 +65,10 @@ def make_accountant(accountant):
     return dp.rdp.RdpAccountant()
 
 
-def epsilon(steps, sampling_rate, noise_multiplier, delta=1e-5, accountant="pld"):
+def epsilon(
+    steps: int, sampling_rate: float, noise_multiplier: float, delta: float = 1e-5,
+    accountant: str = "pld",
+) -> float:
     """The epsilon of a DP-SGD run at `delta`, from `dp-accounting`.
 
     Args:
@@ -101,7 +104,10 @@ def epsilon(steps, sampling_rate, noise_multiplier, delta=1e-5, accountant="pld"
     return float(tracker.get_epsilon(delta))
 
 
-def noise_multiplier_for(target_epsilon, steps, sampling_rate, delta=1e-5, accountant="pld"):
+def noise_multiplier_for(
+    target_epsilon: float, steps: int, sampling_rate: float, delta: float = 1e-5,
+    accountant: str = "pld",
+) -> float:
     """The smallest noise multiplier whose run stays within `target_epsilon`.
 
     Args:

@@ -78,7 +78,10 @@ class DPSGD(MultiGradientOption):
 
     option_name = "differential_privacy"
 
-    def __init__(self, l2_norm_clip, noise_multiplier, seed=None, method="auto"):
+    def __init__(
+        self, l2_norm_clip: float, noise_multiplier: float, seed: int | None = None,
+        method: str = "auto",
+    ) -> None:
         self.l2_norm_clip = validation.positive_number(l2_norm_clip, "l2_norm_clip")
         self.noise_multiplier = validation.non_negative_number(
             noise_multiplier, "noise_multiplier"

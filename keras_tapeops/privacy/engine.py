@@ -169,7 +169,8 @@ class DPSGDState(MultiGradientState):
         grads = []
         for variable in model.trainable_weights:
             part = parts.get(id(variable))
-            grads.append(None if part is None else _as_dtype(part.weighted(weights), variable.dtype))
+            grad = None if part is None else _as_dtype(part.weighted(weights), variable.dtype)
+            grads.append(grad)
         self.samples.assign_add(tf.cast(n, tf.float32))
         return grads, y_pred
 

@@ -137,8 +137,10 @@ class EinsumDenseRule:
         for record, (gz,) in zip(records, grads):
             a, g = float32(record["a"]), float32(gz)
             spec = layout(layer.equation, a.shape.rank)
-            a_t = tf.transpose(a, [spec.inp.index(x) for x in spec.batch + spec.kept + spec.contracted])
-            g_t = tf.transpose(g, [spec.out.index(x) for x in spec.batch + spec.kept + spec.produced])
+            a_axes = spec.batch + spec.kept + spec.contracted
+            g_axes = spec.batch + spec.kept + spec.produced
+            a_t = tf.transpose(a, [spec.inp.index(x) for x in a_axes])
+            g_t = tf.transpose(g, [spec.out.index(x) for x in g_axes])
             pieces_a.append(_flatten_groups(a_t, len(spec.kept), len(spec.contracted)))
             pieces_g.append(_flatten_groups(g_t, len(spec.kept), len(spec.produced)))
             if layer.bias is not None:

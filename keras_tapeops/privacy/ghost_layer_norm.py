@@ -37,7 +37,8 @@ class LayerNormRule:
             x = float32(record["a"])
             g = float32(gz)
             rank = x.shape.rank
-            axes = sorted(a % rank for a in (layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]))
+            layer_axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+            axes = sorted(a % rank for a in layer_axes)
             summed = [i for i in range(1, rank) if i not in axes]
             beta_rows.append(tf.reduce_sum(g, summed) if summed else g)
             if layer.gamma is not None:

@@ -15,6 +15,7 @@ probability below 1e-9 per step (see `truncation_probability`).
 """
 
 import math
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -62,8 +63,9 @@ def truncation_probability(dataset_size, sampling_rate, max_batch_size):
 
 
 def poisson_batches(
-    dataset, sampling_rate, seed=None, max_batch_size=None, steps=None, model=None
-):
+    dataset: Any, sampling_rate: float, seed: int | None = None,
+    max_batch_size: int | None = None, steps: int | None = None, model: Any = None,
+) -> tf.data.Dataset:
     """Poisson-sampled, padded batches `(x, y, mask)` for `fit` with `kt.DPSGD`.
 
     Each pass over the returned dataset (one `fit` epoch) draws new batches.

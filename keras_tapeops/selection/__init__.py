@@ -3,8 +3,12 @@
 `kt.TopLoss`, `kt.ReducibleLoss` (RHO-LOSS), `kt.SelectiveBackprop`,
 `kt.ImportanceSampling` select examples of each batch by their loss;
 `kt.SelfPaced` and `kt.SuperLoss` reweight them. See `docs/selection.md`.
+A user-defined rule subclasses `SelectionRule` (one method,
+`select(losses, context) -> [batch] weights`; see `docs/extending.md`).
 """
 
+from keras_tapeops.selection.base import SelectionContext
+from keras_tapeops.selection.base import SelectionRule
 from keras_tapeops.selection.importance_sampling import ImportanceSampling
 from keras_tapeops.selection.reducible_loss import ReducibleLoss
 from keras_tapeops.selection.selective_backprop import SelectiveBackprop
@@ -13,5 +17,6 @@ from keras_tapeops.selection.super_loss import SuperLoss
 from keras_tapeops.selection.top_loss import TopLoss
 
 __all__ = [
-    "ImportanceSampling", "ReducibleLoss", "SelectiveBackprop", "SelfPaced", "SuperLoss", "TopLoss",
+    "ImportanceSampling", "ReducibleLoss", "SelectionContext", "SelectionRule", "SelectiveBackprop",
+    "SelfPaced", "SuperLoss", "TopLoss",
 ]

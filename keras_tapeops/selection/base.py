@@ -23,6 +23,11 @@ whole candidate batch (inference-mode predictions). Logged diagnostics:
 `selection_fraction` (kept / candidates), `selection_kept_loss` and
 `selection_batch_loss` (mean per-example loss of the kept examples and of
 all candidates, from the scoring pass).
+
+Extension point: a user rule subclasses `SelectionRule` and implements one
+method, `select(losses, context) -> [batch] weights` (see
+`docs/extending.md`); `SelectionOption`/`SelectionState` are the
+library's own machinery and need not be touched.
 """
 
 import keras
@@ -63,7 +68,11 @@ def fraction_argument(value, name="fraction"):
 
 
 class SelectionOption(MultiGradientOption):
-    """Base class of the `compile(sample_selection=...)` methods."""
+    """Base class of the `compile(sample_selection=...)` methods (internal).
+
+    A user-defined rule subclasses `SelectionRule` instead: it needs no
+    engine of its own.
+    """
 
     option_name = "sample_selection"
 
@@ -163,6 +172,128 @@ class SelectionState(MultiGradientState):
             _mean_or_zero(losses), sample_weight=present
         )
         self.metrics["selection_kept_loss"].update_state(kept_loss, sample_weight=present)
+
+
+class SelectionContext:
+    """What a `SelectionRule` sees, besides the per-example losses.
+
+    Attributes:
+        model: the model being trained.
+        x: the candidate batch's inputs (the model's inputs).
+        y: its targets, or None.
+        sample_weight: its sample weights (already in `losses`), or None.
+        y_pred: the scoring pass's predictions (inference mode, no tape).
+        step: the optimizer's applied-step count (int64 tensor).
+    """
+
+    def __init__(self, model, x, y, sample_weight, y_pred, step):
+        self.model = model
+        self.x = x
+        self.y = y
+        self.sample_weight = sample_weight
+        self.y_pred = y_pred
+        self.step = step
+
+
+class SelectionRule(SelectionOption):
+    """Public base of a user-defined `compile(sample_selection=...)` rule.
+
+    Implement one method, `select(losses, context)`, returning one float
+    weight per candidate example. An example whose weight is `<= 0` (or not
+    finite) is left out of the step; every other example trains with its
+    sample weight multiplied by its weight. The forward and backward pass run
+    on the kept examples only, so with Keras's default reduction the step's
+    loss is `sum(weight * loss) / kept`: weights of 1 on the top half of the
+    batch is exactly `kt.TopLoss(0.5)`, and weights of 1 everywhere the stock
+    step. The scoring pass, logging (`selection_fraction`,
+    `selection_kept_loss`, `selection_batch_loss`), loss terms, mixed
+    precision, micro-batches and distribution (selection per replica) are the
+    library's, as for `kt.TopLoss`.
+
+    A rule is immutable configuration: validate arguments in `__init__` and
+    return them from `get_config()` (the default `from_config` calls
+    `cls(**config)`); register the class with
+    `keras.saving.register_keras_serializable` so `load_model` restores it.
+
+    Example:
+    ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_tapeops as kt
+    from keras_tapeops.selection import SelectionRule
+
+    @keras.saving.register_keras_serializable(package="my_rules")
+    class AboveMean(SelectionRule):
+        def select(self, losses, context):
+            return tf.cast(losses >= tf.reduce_mean(losses), "float32")
+
+    model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer="sgd", loss="mse", sample_selection=AboveMean())
+    model.fit(np.random.rand(16, 4), np.random.rand(16, 1), batch_size=8, verbose=0)
+    ```
+    """
+
+    def select(self, losses, context):
+        """The per-example weights of the candidate batch.
+
+        Args:
+            losses: `[batch]` float32 per-example compiled losses of the
+                scoring pass (sample and class weights applied; no gradient).
+            context: a `SelectionContext` (model, x, y, sample_weight,
+                y_pred, step).
+
+        Returns:
+            A `[batch]` float tensor: 0 (or less) leaves an example out, a
+            positive value keeps it with that weight.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement select(losses, context) -> [batch] weights."
+        )
+
+    def bind(self, model, tree):
+        if getattr(type(self), "select", None) is SelectionRule.select:
+            raise TypeError(
+                f"{type(self).__name__} is a SelectionRule but does not implement "
+                "`select(losses, context)`, which returns one weight per example "
+                f"(0 leaves it out). Received: sample_selection={self!r}"
+            )
+        return SelectionRuleState(self)
+
+
+class SelectionRuleState(SelectionState):
+    """The engine of a `SelectionRule`: keeps the examples of positive weight."""
+
+    def __init__(self, rule):
+        super().__init__()
+        self.rule = rule
+
+    def select(self, model, x, y, sample_weight, losses, ids, y_pred):
+        optimizer = getattr(model, "optimizer", None)
+        step = optimizer.iterations if optimizer is not None else tf.constant(0, tf.int64)
+        context = SelectionContext(model, x, y, sample_weight, y_pred, step)
+        name = type(self.rule).__name__
+        weights = self.rule.select(losses, context)
+        if weights is None:
+            raise ValueError(
+                f"{name}.select(losses, context) must return a [batch] tensor of "
+                "per-example weights. Received: None"
+            )
+        weights = tf.cast(tf.convert_to_tensor(weights), "float32")
+        if weights.shape.rank is not None and weights.shape.rank != 1:
+            raise ValueError(
+                f"{name}.select(losses, context) must return a [batch] tensor of "
+                f"per-example weights (rank 1). Received: shape={weights.shape}"
+            )
+        if weights.shape[0] is not None and losses.shape[0] is not None and (
+            weights.shape[0] != losses.shape[0]
+        ):
+            raise ValueError(
+                f"{name}.select(losses, context) must return one weight per "
+                f"example ({losses.shape[0]}). Received: shape={weights.shape}"
+            )
+        indices = tf.cast(tf.reshape(tf.where(weights > 0.0), [-1]), "int32")
+        return indices, tf.gather(weights, indices)
 
 
 def _mean_or_zero(values):

@@ -1,4 +1,7 @@
-"""`kt.ImportanceSampling`: sampling by loss or gradient-norm bound, unbiased (Katharopoulos & Fleuret 2018)."""
+"""`kt.ImportanceSampling`: sampling by loss or gradient-norm bound, unbiased.
+
+Katharopoulos & Fleuret 2018.
+"""
 
 import tensorflow as tf
 
@@ -52,7 +55,10 @@ class ImportanceSampling(SelectionOption):
     ```
     """
 
-    def __init__(self, fraction=0.25, score="loss", smoothing=0.1, seed=None):
+    def __init__(
+        self, fraction: float = 0.25, score: str = "loss", smoothing: float = 0.1,
+        seed: int | None = None,
+    ) -> None:
         self.fraction = fraction_argument(fraction)
         self.score = validation.choice(score, "score", SCORES)
         self.smoothing = validation.non_negative_number(smoothing, "smoothing")

@@ -6,6 +6,8 @@ irreducible loss (looked up by the example's global index in a tensor, or
 computed by a model trained on a holdout set), keep the top k.
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -65,7 +67,7 @@ class ReducibleLoss(SelectionOption):
     ```
     """
 
-    def __init__(self, irreducible, fraction=0.1, id_key=ID_KEY):
+    def __init__(self, irreducible: Any, fraction: float = 0.1, id_key: str = ID_KEY) -> None:
         self.fraction = fraction_argument(fraction)
         if not isinstance(id_key, str) or not id_key:
             raise ValueError(f"`id_key` must be a non-empty string. Received: id_key={id_key!r}")
@@ -77,7 +79,12 @@ class ReducibleLoss(SelectionOption):
                 values = np.asarray(irreducible, dtype="float32")
             except (TypeError, ValueError):
                 values = None
-            if values is None or values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)):
+            if (
+                values is None
+                or values.ndim != 1
+                or values.size == 0
+                or not np.all(np.isfinite(values))
+            ):
                 raise ValueError(
                     "`irreducible` must be a non-empty 1-D array of finite losses "
                     "indexed by example id, or a keras.Model. "

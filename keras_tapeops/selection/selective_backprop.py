@@ -45,7 +45,10 @@ class SelectiveBackprop(SelectionOption):
     ```
     """
 
-    def __init__(self, beta=1.0, history_size=1024, fraction=None, seed=None):
+    def __init__(
+        self, beta: float = 1.0, history_size: int = 1024, fraction: float | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.beta = validation.positive_number(beta, "beta")
         self.history_size = validation.positive_int(history_size, "history_size")
         self.fraction = None if fraction is None else fraction_argument(fraction)

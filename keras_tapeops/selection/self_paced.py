@@ -1,5 +1,7 @@
 """`kt.SelfPaced`: self-paced learning, hard weights by a loss threshold (Kumar et al. 2010)."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -34,12 +36,13 @@ class SelfPaced(SelectionOption):
     ```python
     import keras, numpy as np, keras_tapeops as kt
     model = kt.upgrade(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
-    model.compile(optimizer="sgd", loss="mse", sample_selection=kt.SelfPaced(threshold_schedule=1.0))
+    model.compile(optimizer="sgd", loss="mse",
+                  sample_selection=kt.SelfPaced(threshold_schedule=1.0))
     model.fit(np.random.rand(16, 4), np.zeros((16, 1)), batch_size=8, verbose=0)
     ```
     """
 
-    def __init__(self, threshold_schedule=1.0):
+    def __init__(self, threshold_schedule: Any = 1.0) -> None:
         if isinstance(threshold_schedule, keras.optimizers.schedules.LearningRateSchedule):
             self.threshold_schedule = threshold_schedule
         else:

@@ -20,7 +20,8 @@ def lambert_w(z, iterations=8):
     p = tf.sqrt(tf.maximum(2.0 * (math.e * z + 1.0), 0.0))
     near_branch = -1.0 + p - p * p / 3.0 + 11.0 / 72.0 * p * p * p
     large = tf.math.log(tf.maximum(z, 3.0)) - tf.math.log(tf.math.log(tf.maximum(z, 3.0)))
-    w = tf.where(z < -0.25, near_branch, tf.where(z > 3.0, large, tf.math.log1p(tf.maximum(z, -0.25))))
+    middle = tf.math.log1p(tf.maximum(z, -0.25))
+    w = tf.where(z < -0.25, near_branch, tf.where(z > 3.0, large, middle))
     for _ in range(iterations):
         ew = tf.exp(w)
         f = w * ew - z
@@ -62,7 +63,7 @@ class SuperLoss(SelectionOption):
     ```
     """
 
-    def __init__(self, lam=1.0, tau=None, momentum=0.9):
+    def __init__(self, lam: float = 1.0, tau: float | None = None, momentum: float = 0.9) -> None:
         self.lam = validation.positive_number(lam, "lam")
         self.tau = None if tau is None else validation.finite_number(tau, "tau")
         self.momentum = validation.non_negative_number(momentum, "momentum")
@@ -87,7 +88,9 @@ class SuperLossState(SelectionState):
         super().__init__(None, value_name="tau")
         self.option = option
         first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        self.tau = tf.Variable(0.0, trainable=False, name="superloss_tau", aggregation=first_replica)
+        self.tau = tf.Variable(
+            0.0, trainable=False, name="superloss_tau", aggregation=first_replica
+        )
         self.started = tf.Variable(False, trainable=False, name="superloss_started",
                                    aggregation=first_replica)
         self.variables += [self.tau, self.started]

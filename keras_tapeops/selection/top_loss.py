@@ -34,7 +34,7 @@ class TopLoss(SelectionOption):
     ```
     """
 
-    def __init__(self, fraction=0.25):
+    def __init__(self, fraction: float = 0.25) -> None:
         self.fraction = fraction_argument(fraction)
 
     def bind(self, model, tree):

@@ -1,5 +1,7 @@
 """`ActivationPenalty`: an L1/L2 penalty on a layer's outputs from the same forward pass."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -8,6 +10,8 @@ from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
 
 
 @register
@@ -52,8 +56,9 @@ class ActivationPenalty(Term):
     """
 
     def __init__(
-        self, layer, l1=0.0, l2=0.0, name=None, in_validation=True, weight=1.0
-    ):
+        self, layer: Any, l1: float = 0.0, l2: float = 0.0, name: str | None = None,
+        in_validation: bool = True, weight: Weight = 1.0,
+    ) -> None:
         if not (
             isinstance(layer, keras.layers.Layer)
             or isinstance(layer, str) and layer.strip("/")
@@ -82,7 +87,7 @@ class ActivationPenalty(Term):
             name = "activation_penalty_" + label.replace("/", "_")
         super().__init__(weight=weight, name=name, in_validation=in_validation)
 
-    def bind(self, model, tree=None):
+    def bind(self, model: Any, tree: Any = None) -> Any:
         """Finds the layer in `model`; returns it (the term's state for `model`).
 
         Raises ValueError listing the layer paths if the layer is not in
@@ -102,10 +107,10 @@ class ActivationPenalty(Term):
                 f"ActivationPenalty {self.name!r}: {error}. Received: layer={received}"
             ) from None
 
-    def layers_to_capture(self, state):
+    def layers_to_capture(self, state: Any) -> list[Any]:
         return [state]
 
-    def call(self, context):
+    def call(self, context: TermContext) -> Any:
         layer = context.state
         outputs = [
             t for t in context.activations(layer)
@@ -126,7 +131,7 @@ class ActivationPenalty(Term):
                 total += self.l2 * tf.reduce_mean(tf.square(a))
         return total
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The layer is saved by its path in the model being saved (or its name)."""
         config = super().get_config()
         layer = self.layer

@@ -6,6 +6,8 @@ under the term's `name` (epoch sample-weighted mean, like `loss`).
 """
 
 import numbers
+from typing import Any
+from typing import TypeVar
 
 import keras
 import numpy as np
@@ -14,6 +16,10 @@ import tensorflow as tf
 from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
+
+
+#: A term's weight: a number, a LearningRateSchedule or a callable step -> number.
+Weight = Any
 
 
 class TermContext:
@@ -30,9 +36,9 @@ class TermContext:
     """
 
     def __init__(
-        self, model, x, y, y_pred, sample_weight, training, activations,
-        input_tape=None, watched_inputs=None,
-    ):
+        self, model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool,
+        activations: dict[int, list[Any]], input_tape: Any = None, watched_inputs: Any = None,
+    ) -> None:
         self.model = model
         self.x = x
         self.y = y
@@ -42,7 +48,7 @@ class TermContext:
         self._activations = activations
         self._input_tape = input_tape
         self._watched_inputs = watched_inputs
-        self.state = None
+        self.state: Any = None
 
     def activations(self, layer):
         """Returns the list of output tensors `layer` produced in this forward pass.
@@ -93,6 +99,9 @@ class TermContext:
         return tf.nest.pack_sequence_as(self.x, merged)
 
 
+_Term = TypeVar("_Term", bound="Term")
+
+
 class Term(ConfigRepr):
     """Base class of everything passed to `compile(loss_terms=[...])`.
 
@@ -119,7 +128,9 @@ class Term(ConfigRepr):
 
     needs_input_gradients = False
 
-    def __init__(self, weight=1.0, name=None, in_validation=True):
+    def __init__(
+        self, weight: Weight = 1.0, name: str | None = None, in_validation: bool = True
+    ) -> None:
         self.weight = validate_weight(weight)
         if name is None:
             name = _default_name(type(self).__name__)
@@ -130,7 +141,7 @@ class Term(ConfigRepr):
         self.name = name
         self.in_validation = validation.boolean(in_validation, "in_validation")
 
-    def bind(self, model, tree=None):
+    def bind(self, model: Any, tree: Any = None) -> Any:
         """Resolves what the term needs from `model`; returns this model's state.
 
         Raises ValueError (before any weight changes) if the model lacks
@@ -155,15 +166,15 @@ class Term(ConfigRepr):
                 ) from error
         return None
 
-    def layers_to_capture(self, state):
+    def layers_to_capture(self, state: Any) -> list[Any]:
         """Layers whose outputs the forward pass must record, given `state`."""
         return []
 
-    def call(self, context):
+    def call(self, context: TermContext) -> Any:
         """Returns the unweighted scalar value of the term."""
         raise NotImplementedError(f"{type(self).__name__} must implement call().")
 
-    def weight_at(self, step):
+    def weight_at(self, step: Any) -> tf.Tensor:
         """Returns the weight at optimizer step `step` as a float32 tensor."""
         weight = self.weight
         if isinstance(weight, keras.optimizers.schedules.LearningRateSchedule) or (
@@ -172,7 +183,7 @@ class Term(ConfigRepr):
             weight = weight(step)
         return tf.cast(weight, "float32")
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "weight": serialize_weight(self.weight),
             "name": self.name,
@@ -180,13 +191,13 @@ class Term(ConfigRepr):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_Term], config: dict[str, Any]) -> _Term:
         config = dict(config)
         config["weight"] = deserialize_weight(config["weight"])
         return cls(**config)
 
 
-def validate_weight(weight):
+def validate_weight(weight: Any) -> Weight:
     """Checks a term weight: a finite number (NumPy too), a schedule or a callable."""
     if callable(weight) and not isinstance(weight, (numbers.Number, np.generic)):
         return weight
@@ -198,14 +209,14 @@ def validate_weight(weight):
     return validation.finite_number(weight, "weight")
 
 
-def serialize_weight(weight):
+def serialize_weight(weight: Weight) -> Any:
     """A number as is; a schedule or callable through Keras (must load back)."""
     if isinstance(weight, (int, float)):
         return weight
     return selectors.serialize_callable(weight, "weight")
 
 
-def deserialize_weight(config):
+def deserialize_weight(config: Any) -> Weight:
     if isinstance(config, (int, float)):
         return config
     return keras.saving.deserialize_keras_object(config)

@@ -1,11 +1,15 @@
 """`GradientPenalty`: a loss term on the gradient of the outputs w.r.t. the inputs."""
 
+from typing import Any
+
 import tensorflow as tf
 
 from keras_tapeops.penalty import per_sample_norm
 from keras_tapeops.penalty import validate_target
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
 
 
 @register
@@ -45,12 +49,13 @@ class GradientPenalty(Term):
     needs_input_gradients = True
 
     def __init__(
-        self, weight=1.0, target=0.0, name="gradient_penalty", in_validation=False
-    ):
+        self, weight: Weight = 1.0, target: float = 0.0, name: str = "gradient_penalty",
+        in_validation: bool = False,
+    ) -> None:
         super().__init__(weight=weight, name=name, in_validation=in_validation)
         self.target = validate_target(target)
 
-    def call(self, context):
+    def call(self, context: TermContext) -> Any:
         """Returns the unweighted penalty for the context's batch (float32)."""
         # The outputs themselves are the targets (the inner tape recorded
         # them); TF sums a list of targets.
@@ -62,7 +67,7 @@ class GradientPenalty(Term):
         norm = per_sample_norm(tf.nest.flatten(grads))
         return tf.reduce_mean(tf.square(norm - self.target))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["target"] = self.target
         return config

@@ -23,11 +23,16 @@ Yong et al. 2020, "Gradient Centralization". Compare optax's
 docs/observability.md for the exact differences).
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.selectors import Selector
 from keras_tapeops.transforms.clipping import _summed_rows
 
 # optax and the NFNets reference floor the gradient norm at this value in the
@@ -77,18 +82,22 @@ class AdaptiveClip(GradientTransform):
     ```
     """
 
-    def __init__(self, clipping=0.01, eps=1e-3, where=None):
+    def __init__(
+        self, clipping: float = 0.01, eps: float = 1e-3, where: Selector = None
+    ) -> None:
         super().__init__(where=where)
         self.clipping = validation.positive_number(clipping, "clipping")
         self.eps = validation.positive_number(eps, "eps")
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         return [
             adaptive_clip(g, v, self.clipping, self.eps) if on and g is not None else g
             for g, v, on in zip(grads, variables, state.selected)
         ]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clipping": self.clipping, "eps": self.eps, **super().get_config()}
 
 
@@ -115,7 +124,9 @@ class CentralizeGradients(GradientTransform):
     ```
     """
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         return [
             centralize(g, v) if on and g is not None else g
             for g, v, on in zip(grads, variables, state.selected)

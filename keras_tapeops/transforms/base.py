@@ -34,6 +34,10 @@ Three optional parts make a transform stateful or observable (the built-in
   variables' values before it; else None).
 """
 
+from typing import Any
+from typing import Sequence
+from typing import TypeVar
+
 import keras
 
 from keras_tapeops import selectors
@@ -56,12 +60,12 @@ class TransformState:
     ```
     """
 
-    def __init__(self, selected):
+    def __init__(self, selected: Sequence[bool]) -> None:
         self.selected = list(selected)
-        self.variables = {}  # name -> keras.Variable: training state, not weights
-        self.metrics = {}  # name -> keras.metrics.Metric, logged
+        self.variables: dict[str, Any] = {}  # name -> keras.Variable: training state, not weights
+        self.metrics: dict[str, Any] = {}  # name -> keras.metrics.Metric, logged
 
-    def add_variable(self, name, initial_value, dtype="float32"):
+    def add_variable(self, name: str, initial_value: Any, dtype: str = "float32") -> Any:
         """Creates a training-state variable saved with the model; returns it.
 
         It is not one of `model.weights`; it is saved by `model.save` and
@@ -87,13 +91,16 @@ class TransformState:
         self.variables[name] = variable
         return variable
 
-    def add_metric(self, metric):
+    def add_metric(self, metric: Any) -> Any:
         """Registers a `keras.metrics.Metric` logged under `metric.name`; returns it."""
         self.metrics[metric.name] = metric
         return metric
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TransformState(selected={self.selected})"
+
+
+_Transform = TypeVar("_Transform", bound="GradientTransform")
 
 
 class GradientTransform(ConfigRepr):
@@ -124,10 +131,10 @@ class GradientTransform(ConfigRepr):
 
     needs_previous_values = False  # after_apply gets the pre-step values
 
-    def __init__(self, where=None):
+    def __init__(self, where: selectors.Selector = None) -> None:
         self.where = selectors.validate_selector(where)
 
-    def bind(self, model, variables, tree=None):
+    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
         """Resolves `where=` against `model` and its trainable `variables`.
 
         Args:
@@ -140,21 +147,29 @@ class GradientTransform(ConfigRepr):
         """
         return TransformState(selectors.select(self.where, model, variables, tree))
 
-    def keep_step(self, grads, variables, state):
+    def keep_step(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> Any:
         """None, or a scalar bool tensor: False skips this optimizer step."""
         return None
 
-    def after_apply(self, variables, previous, state):
+    def after_apply(
+        self, variables: Sequence[Any], previous: Any, state: TransformState
+    ) -> None:
         """Runs after the optimizer step (e.g. to log the update). Returns None."""
         return None
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         """Returns the transformed list of gradients (same length as `grads`)."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement transform(grads, variables, state)."
         )
 
-    def __call__(self, grads, variables, state=None):
+    def __call__(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState | None = None
+    ) -> list[Any]:
         """Applies the transform. Without `state`, only `where=None` works (all selected)."""
         if state is None:
             if self.where is not None:
@@ -171,12 +186,12 @@ class GradientTransform(ConfigRepr):
             )
         return self.transform(grads, variables, state)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments; `where` must be serializable."""
         return {"where": selectors.serialize_selector(self.where)}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_Transform], config: dict[str, Any]) -> _Transform:
         """Rebuilds the transform from `get_config()` output."""
         config = dict(config)
         if "where" in config:
@@ -184,7 +199,11 @@ class GradientTransform(ConfigRepr):
         return cls(**config)
 
 
-def apply_in_order(bound, grads, variables):
+def apply_in_order(
+    bound: Sequence[tuple[GradientTransform, TransformState]],
+    grads: Sequence[Any],
+    variables: Sequence[Any],
+) -> list[Any]:
     """Applies bound transforms to `grads` one after another, in list order.
 
     Args:

@@ -13,12 +13,17 @@ scales the values (scaling is linear, so repeats are fine), and value
 clipping spreads each clipped row evenly over its repeats.
 """
 
+from typing import Any
+from typing import Sequence
+
 import tensorflow as tf
 
 from keras_tapeops import validation
 
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import TransformState
 
 
 @register
@@ -39,18 +44,20 @@ class ClipByValue(GradientTransform):
     ```
     """
 
-    def __init__(self, clip_value, where=None):
+    def __init__(self, clip_value: float, where: Selector = None) -> None:
         super().__init__(where=where)
         self.clip_value = validation.positive_number(clip_value, "clip_value")
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         selected = state.selected
         return [
             clip_by_value(g, self.clip_value, v) if on and g is not None else g
             for g, v, on in zip(grads, variables, selected)
         ]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clip_value": self.clip_value, **super().get_config()}
 
 
@@ -75,11 +82,13 @@ class ClipByNorm(GradientTransform):
     ```
     """
 
-    def __init__(self, clip_norm, where=None):
+    def __init__(self, clip_norm: float, where: Selector = None) -> None:
         super().__init__(where=where)
         self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         selected = state.selected
         out = []
         for g, v, on in zip(grads, variables, selected):
@@ -89,7 +98,7 @@ class ClipByNorm(GradientTransform):
             out.append(g)
         return out
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clip_norm": self.clip_norm, **super().get_config()}
 
 
@@ -115,11 +124,13 @@ class ClipByGlobalNorm(GradientTransform):
     ```
     """
 
-    def __init__(self, clip_norm, where=None):
+    def __init__(self, clip_norm: float, where: Selector = None) -> None:
         super().__init__(where=where)
         self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         selected = state.selected
         group = [
             squared_norm(g, v)
@@ -134,11 +145,11 @@ class ClipByGlobalNorm(GradientTransform):
             for g, on in zip(grads, selected)
         ]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"clip_norm": self.clip_norm, **super().get_config()}
 
 
-def squared_norm(grad, variable=None):
+def squared_norm(grad: Any, variable: Any = None) -> tf.Tensor:
     """Sum of squares of `grad` as float32; repeated sparse rows are summed first.
 
     Args:
@@ -155,7 +166,7 @@ def squared_norm(grad, variable=None):
     return tf.reduce_sum(tf.square(grad))
 
 
-def scale(grad, factor):
+def scale(grad: Any, factor: Any) -> Any:
     """Multiplies `grad` (tensor or IndexedSlices) by the float32 scalar `factor`."""
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(
@@ -166,7 +177,7 @@ def scale(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-def clip_by_value(grad, clip_value, variable=None):
+def clip_by_value(grad: Any, clip_value: float, variable: Any = None) -> Any:
     """Clips entries to `[-clip_value, clip_value]`; sparse repeats are summed first.
 
     Args:

@@ -1,11 +1,16 @@
 """`SkipNonFinite`: a step whose gradient has a nan or inf changes nothing."""
 
+from typing import Any
+from typing import Sequence
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.selectors import Selector
 
 
 @register
@@ -58,21 +63,26 @@ class SkipNonFinite(GradientTransform):
     ```
     """
 
-    def __init__(self, max_consecutive=None, where=None, name="skipped_steps"):
+    def __init__(
+        self, max_consecutive: int | None = None, where: Selector = None,
+        name: str = "skipped_steps",
+    ) -> None:
         super().__init__(where=where)
         if max_consecutive is not None:
             max_consecutive = validation.positive_int(max_consecutive, "max_consecutive")
         self.max_consecutive = max_consecutive
         self.name = validation.name(name, "name")
 
-    def bind(self, model, variables, tree=None):
-        state = super().bind(model, variables, tree)
+    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
+        state: Any = super().bind(model, variables, tree)  # plus `state.model`, below
         state.add_variable("consecutive_skips", 0.0)
         state.add_metric(ReplicaAgreedCount(name=self.name))
         state.model = model  # its optimizer's loss scale, read in each step
         return state
 
-    def keep_step(self, grads, variables, state):
+    def keep_step(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> Any:
         checks = [
             tf.reduce_all(tf.math.is_finite(_values(g)))
             for g, on in zip(grads, state.selected)
@@ -105,10 +115,12 @@ class SkipNonFinite(GradientTransform):
             )
         return finite
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         return list(grads)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "max_consecutive": self.max_consecutive,
             "name": self.name,

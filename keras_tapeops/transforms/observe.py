@@ -1,11 +1,16 @@
 """`LogGradientNorm`: the L2 norm of a group's true gradient, logged every epoch."""
 
+from typing import Any
+from typing import Sequence
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.selectors import Selector
 from keras_tapeops.transforms.clipping import squared_norm
 
 
@@ -40,19 +45,23 @@ class LogGradientNorm(GradientTransform):
     ```
     """
 
-    def __init__(self, where=None, name="grad_norm", log_max=False):
+    def __init__(
+        self, where: Selector = None, name: str = "grad_norm", log_max: bool = False
+    ) -> None:
         super().__init__(where=where)
         self.name = validation.name(name, "name")
         self.log_max = validation.boolean(log_max, "log_max")
 
-    def bind(self, model, variables, tree=None):
+    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
         state = super().bind(model, variables, tree)
         state.add_metric(keras.metrics.Mean(name=self.name))
         if self.log_max:
             state.add_metric(EpochMax(name=self.name + "_max"))
         return state
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         group = [
             squared_norm(g, v)
             for g, v, on in zip(grads, variables, state.selected)
@@ -66,7 +75,7 @@ class LogGradientNorm(GradientTransform):
             state.metrics[self.name + "_max"].update_state(safe)
         return list(grads)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "log_max": self.log_max, **super().get_config()}
 
 

@@ -1,11 +1,16 @@
 """`LogUpdateRatio`: how far one optimizer step moved a group, relative to its size."""
 
+from typing import Any
+from typing import Sequence
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.selectors import Selector
 
 
 @register
@@ -49,19 +54,23 @@ class LogUpdateRatio(GradientTransform):
 
     needs_previous_values = True
 
-    def __init__(self, where=None, name="update_ratio"):
+    def __init__(self, where: Selector = None, name: str = "update_ratio") -> None:
         super().__init__(where=where)
         self.name = validation.name(name, "name")
 
-    def bind(self, model, variables, tree=None):
+    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
         state = super().bind(model, variables, tree)
         state.add_metric(keras.metrics.Mean(name=self.name))
         return state
 
-    def transform(self, grads, variables, state):
+    def transform(
+        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+    ) -> list[Any]:
         return list(grads)
 
-    def after_apply(self, variables, previous, state):
+    def after_apply(
+        self, variables: Sequence[Any], previous: Any, state: TransformState
+    ) -> None:
         update, weights = [], []
         for v, old in zip(variables, previous):
             if old is None:  # not selected
@@ -79,5 +88,5 @@ class LogUpdateRatio(GradientTransform):
         )
         return None
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, **super().get_config()}
