@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import accumulation
+from keras_tapeops import adversarial_training
 from keras_tapeops import forward
 from keras_tapeops import groups
 from keras_tapeops import name_checks
@@ -91,6 +92,8 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
             differential_privacy: None or a `kt.DPSGD`.
             sample_selection: None or a loss-based selection (e.g.
                 `kt.TopLoss(fraction=0.25)`).
+            adversarial_training: None or a `kt.attacks` attack: the step
+                trains on the attacked inputs only (Madry et al.).
 
         Returns:
             None. Raises before changing anything if an option is invalid.
@@ -148,6 +151,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self.build_tapeops()
         self._check_logged_names_before_forward(data)
+        x = adversarial_training.adversarial_inputs(self, x, y)
         statistics = step_gate.batch_norm_snapshot(self, state)
         grads, y_pred = self.compute_gradients(x, y, sample_weight)
         self.build_tapeops()  # binds now if the forward pass built the model

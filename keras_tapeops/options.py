@@ -11,6 +11,7 @@ from typing import Callable
 import keras
 
 from keras_tapeops import validation
+from keras_tapeops.attacks.base import check_attack
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.multi_gradient import MULTI_GRADIENT_OPTIONS
 from keras_tapeops.multi_gradient import MultiGradientOption
@@ -107,6 +108,10 @@ def _sam(value):
     return value
 
 
+def _attack(value):
+    return None if value is None else check_attack(value, "adversarial_training")
+
+
 def _multi_gradient(name):
     def validate(value):
         if value is not None and not (
@@ -142,6 +147,9 @@ OPTIONS = (
            "moving statistics follow `micro_batches`."),
     Option("sharpness_aware", None, "object", _sam,
            "None or a `kt.SAM`: sharpness-aware minimization."),
+    Option("adversarial_training", None, "object", _attack,
+           "None or a `kt.attacks` attack: train on the attacked inputs only "
+           "(Madry et al.; no clean pass)."),
 ) + tuple(
     Option(name, None, "object", _multi_gradient(name),
            f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).")

@@ -172,6 +172,8 @@ CASES = [
     _single("gradient_penalty", loss_terms=[kt.GradientPenalty(weight=0.1)]),
     _single("adversarial", loss_terms=[
         kt.AdversarialLoss(kt.attacks.FGSM(0.1, random_start=False), weight=0.5)]),
+    _single("adversarial_training", adversarial_training=kt.attacks.PGD(
+        0.1, 0.05, steps=2, random_start=False)),
     _single("micro_batches", micro_batches=2),
     _single("accumulation", accumulation_steps=2),
     _single("sam", sharpness_aware=kt.SAM(0.05)),

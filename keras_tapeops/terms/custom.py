@@ -59,6 +59,8 @@ class LossTerm(Term):
     ```
     """
 
+    layers = None  # the layer paths whose outputs `fn` receives (see `layers=`)
+
     def __init__(self, fn, weight=1.0, name=None, in_validation=True, layers=None):
         if not callable(fn):
             raise TypeError(
@@ -75,11 +77,12 @@ class LossTerm(Term):
                 f"e.g. ['z_mean', 'z_log_var']. Received: layers={layers!r}"
             )
         self.fn = fn
-        self.layers = None if layers is None else list(layers)
         if name is None:
             fn_name = getattr(fn, "__name__", "")
             name = fn_name if fn_name.isidentifier() else "loss_term"
         super().__init__(weight=weight, name=name, in_validation=in_validation)
+        if layers is not None:  # an instance attribute only when given (repr, config)
+            self.layers = list(layers)
 
     def bind(self, model, tree=None):
         """Checks the weight and finds `layers` in `model`; returns them (a tuple)."""
