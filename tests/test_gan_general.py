@@ -144,11 +144,12 @@ def test_dcgan_equals_keras_io_train_step():
 def test_dcgan_oracle_check_can_fail():
     # The library's own conventions (real = 1, no label noise) are another
     # training run: the 1e-6 check above would catch a wrong convention.
+    # (The matching run above differs by about 1e-8; these by about 2e-3.)
     gan, _, oracle = dcgan_pair(cls=SeededGAN)
-    assert max_difference((gan.generator, gan.discriminator), oracle) > 1e-4
+    assert max_difference((gan.generator, gan.discriminator), oracle) > 1e-3
     # So would forgetting the label noise (the oracle keeps 0.05).
     gan, _, oracle = dcgan_pair(label_noise=0.0)
-    assert max_difference((gan.generator, gan.discriminator), oracle) > 1e-5
+    assert max_difference((gan.generator, gan.discriminator), oracle) > 1e-3
 
 
 # -------------------------------------------- keras.io conditional GAN oracle
@@ -215,7 +216,7 @@ def test_conditional_oracle_check_can_fail():
     )
     for real, labels in zip(batches(x), batches(y)):
         oracle.train_step((tf.constant(real), tf.constant(labels)))
-    assert max_difference((gen_core, disc_core), (oracle_gen, oracle_disc)) > 1e-5
+    assert max_difference((gen_core, disc_core), (oracle_gen, oracle_disc)) > 1e-4
 
 
 # --------------------------------------- the other losses vs a hand-written loop
@@ -270,8 +271,6 @@ def test_hand_written_loop_check_can_fail():
     # Hinge trained, least squares as reference: far apart.
     gan, _, _ = hand_pair("hinge")
     _, _, reference = hand_pair("least_squares")
-    gen, disc = mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator")
-    del gen, disc
     assert max_difference((gan.generator, gan.discriminator), reference) > 1e-3
 
 

@@ -63,10 +63,11 @@ class GAN(keras.Model):
 
     Example:
     ```python
+    discriminator = critic   # any model: samples -> one logit per sample
     gan = kt.GAN(generator, discriminator, latent_dim=128, loss="non_saturating")
     gan.compile(generator_optimizer=keras.optimizers.Adam(3e-4),
                 discriminator_optimizer=keras.optimizers.Adam(3e-4))
-    gan.fit(images, batch_size=64, epochs=20)
+    gan.fit(real_images, batch_size=64, epochs=1, verbose=0)
     samples = gan.predict(keras.random.normal((16, 128)))
     ```
     """

@@ -65,7 +65,7 @@ class R1Penalty(DiscriminatorPenalty):
 
     Example:
     ```python
-    gan = kt.GAN(g, d, latent_dim=64, gradient_penalty=kt.R1Penalty(gamma=10.0))
+    gan = kt.GAN(generator, critic, latent_dim=128, gradient_penalty=kt.R1Penalty(gamma=10.0))
     ```
     """
 
@@ -111,8 +111,8 @@ class WGANGradientPenalty(DiscriminatorPenalty):
 
     Example:
     ```python
-    gan = kt.GAN(g, critic, latent_dim=128, loss="wasserstein", discriminator_steps=5,
-                 gradient_penalty=kt.WGANGradientPenalty(10.0))
+    gan = kt.GAN(generator, critic, latent_dim=128, loss="wasserstein",
+                 discriminator_steps=5, gradient_penalty=kt.WGANGradientPenalty(10.0))
     ```
     """
 
