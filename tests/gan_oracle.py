@@ -244,16 +244,18 @@ class KerasIOConventions(SeededGAN):
 
 def hand_written_loop(generator, discriminator, batches, latent_dim, d_loss, g_loss,
                       d_optimizer, g_optimizer, normal, discriminator_steps=1,
-                      r1_gamma=None, d_grad_fn=None, g_grad_fn=None):
+                      r1_gamma=None, d_grad_fn=None, g_grad_fn=None, jit_compile=False):
     """A plain `tf.GradientTape` GAN loop from the papers' formulas.
 
     `d_loss(real_logits, fake_logits)`, `g_loss(fake_logits)`; R1 (when
-    `r1_gamma`) adds `gamma / 2 * mean(||grad_x D(x_real)||^2)`.
+    `r1_gamma`) adds `gamma / 2 * mean(||grad_x D(x_real)||^2)`. With
+    `jit_compile` its step is XLA-compiled like the model's (XLA draws other
+    numbers than TensorFlow's kernels from the same stateless seed).
     """
     d_optimizer.build(discriminator.trainable_variables)
     g_optimizer.build(generator.trainable_variables)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def step(real):
         n = tf.shape(real)[0]
         for _ in range(discriminator_steps):

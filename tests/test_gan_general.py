@@ -241,21 +241,23 @@ HAND_LOSSES = {
 
 
 def hand_pair(loss, penalty=None, r1_gamma=None, steps=2, g_transforms=None,
-              d_transforms=None, d_grad_fn=None, g_grad_fn=None, optimizer=sgd):
+              d_transforms=None, d_grad_fn=None, g_grad_fn=None, optimizer=sgd,
+              **compile_options):
     gen, disc = mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator")
     ref_gen, ref_disc = copy_of(gen), copy_of(disc)
     gan = SeededGAN(gen, disc, latent_dim=LATENT, loss=loss, discriminator_steps=steps,
                     gradient_penalty=penalty)
     gan.compile(generator_optimizer=optimizer(), discriminator_optimizer=optimizer(),
                 generator_gradient_transforms=g_transforms,
-                discriminator_gradient_transforms=d_transforms)
+                discriminator_gradient_transforms=d_transforms, **compile_options)
     x = points()
     history = gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     d_loss, g_loss = HAND_LOSSES[loss]
     hand_written_loop(ref_gen, ref_disc, batches(x), LATENT, d_loss, g_loss,
                       optimizer(), optimizer(), seeded_normal(LATENT_SEED),
                       discriminator_steps=steps, r1_gamma=r1_gamma,
-                      d_grad_fn=d_grad_fn, g_grad_fn=g_grad_fn)
+                      d_grad_fn=d_grad_fn, g_grad_fn=g_grad_fn,
+                      jit_compile=compile_options.get("jit_compile", False))
     return gan, history, (ref_gen, ref_disc)
 
 
@@ -265,6 +267,13 @@ def test_loss_equals_hand_written_loop(loss):
     assert_weights_close((gan.generator, gan.discriminator), reference, atol=1e-6)
     assert int(gan.discriminator_optimizer.iterations) == 2 * 4
     assert all(np.isfinite(v).all() for v in history.history.values())
+
+
+@pytest.mark.parametrize("options", [{"steps_per_execution": 2}, {"jit_compile": True}])
+def test_step_options_keep_the_result(options):
+    gan, _, reference = hand_pair("hinge", penalty=kt.R1Penalty(2.0), r1_gamma=2.0,
+                                  **options)
+    assert_weights_close((gan.generator, gan.discriminator), reference, atol=1e-6)
 
 
 def test_hand_written_loop_check_can_fail():
@@ -374,6 +383,9 @@ def test_save_load_continue_equals_uninterrupted(tmp_path, conditional):
                          (gan.generator, gan.discriminator), atol=1e-6)
     for name, values in a.history.items():
         np.testing.assert_allclose(b.history[name], values, atol=1e-6, err_msg=name)
+    logs = loaded.evaluate(*data, batch_size=BATCH, verbose=0, return_dict=True)
+    assert sorted(logs) == ["discriminator_loss", "generator_loss", "gradient_penalty"]
+    assert all(np.isfinite(v) for v in logs.values())
 
 
 def test_resume_check_can_fail(tmp_path):
