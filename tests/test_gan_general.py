@@ -216,7 +216,7 @@ def test_conditional_oracle_check_can_fail():
     )
     for real, labels in zip(batches(x), batches(y)):
         oracle.train_step((tf.constant(real), tf.constant(labels)))
-    assert max_difference((gen_core, disc_core), (oracle_gen, oracle_disc)) > 1e-4
+    assert max_difference((gen_core, disc_core), (oracle_gen, oracle_disc)) > 1e-3
 
 
 # --------------------------------------- the other losses vs a hand-written loop
@@ -347,6 +347,54 @@ def test_gan_with_wasserstein_and_the_wgan_penalty_is_wgangp():
                                results[1][2]["discriminator_loss"], atol=1e-6)
     np.testing.assert_allclose(results[0][2]["gradient_penalty"],
                                results[1][2]["gradient_penalty"], atol=1e-6)
+
+
+class DataNoiseGAN(kt.GAN):
+    """Noise that is a fixed function of each real sample, so replicas agree.
+
+    (Overrides the private per-update draw, which sees the batch: the public
+    `sample_latent(batch_size)` cannot tell one replica's half from another's.)
+    """
+
+    def _latent(self, real, step):
+        k = tf.range(self.latent_dim, dtype="float32")
+        return tf.sin(real[:, :1] * (step + 1.3) + 0.7 * k) + tf.cos(real[:, 1:2] * (k + 1.0))
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_mirrored_strategy_equals_single_device(mirrored, conditional):
+    x = points(32)
+    labels = one_hot(32) if conditional else None
+
+    def networks():
+        if not conditional:
+            return mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator")
+        z, y = keras.Input((LATENT,)), keras.Input((CLASSES,))
+        gen = keras.Model([z, y], mlp(LATENT + CLASSES, 2, "g")(keras.layers.Concatenate()([z, y])))
+        s, y = keras.Input((2,)), keras.Input((CLASSES,))
+        disc = keras.Model([s, y], mlp(2 + CLASSES, 1, "d")(keras.layers.Concatenate()([s, y])))
+        return gen, disc
+
+    start = [m.get_weights() for m in networks()]
+    runs = []
+    for strategy in (tf.distribute.get_strategy(), mirrored):
+        with strategy.scope():
+            gen, disc = networks()
+            gen.set_weights(start[0])
+            disc.set_weights(start[1])
+            gan = DataNoiseGAN(gen, disc, latent_dim=LATENT, loss="hinge", discriminator_steps=2,
+                               gradient_penalty=kt.R1Penalty(2.0), conditional=conditional)
+            gan.compile(generator_optimizer=adam(), discriminator_optimizer=sgd(),
+                        discriminator_gradient_transforms=[Scale(0.5)])
+        history = gan.fit(x, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        runs.append((gan, history.history))
+    (single, single_logs), (replicated, replicated_logs) = runs
+    assert replicated.distribute_strategy.num_replicas_in_sync == 2
+    assert_weights_close((replicated.generator, replicated.discriminator),
+                         (single.generator, single.discriminator), atol=1e-5)
+    for name, values in single_logs.items():
+        np.testing.assert_allclose(replicated_logs[name], values, atol=1e-5, err_msg=name)
+    assert min(abs(v) for values in single_logs.values() for v in values) > 1e-3
 
 
 # -------------------------------------------------------------- saving
