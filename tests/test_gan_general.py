@@ -517,7 +517,7 @@ def test_penalties_round_trip_and_are_registered():
 def test_penalty_values():
     # R1 of D(x) = sum(w * x): ||w||^2 per sample; WGAN-GP: (||w|| - 1)^2.
     w = tf.constant([[3.0], [4.0]])
-    disc = lambda x, training=True: tf.matmul(x, w)  # noqa: E731
+    disc = lambda x, training=True: tf.matmul(x, w)
     real, fake = tf.ones((5, 2)), tf.zeros((5, 2))
     assert float(kt.R1Penalty(1.0)(disc, real)) == pytest.approx(25.0)
     assert float(kt.WGANGradientPenalty()(disc, real, fake, alpha=tf.fill([5], 0.3))) == (
@@ -551,8 +551,8 @@ def test_gan_config_round_trip():
     "kwargs, error, match",
     [
         ({"loss": "bce"}, ValueError,
-         r"`loss` must be one of \['non_saturating', 'hinge', 'least_squares', "
-         r"'wasserstein'\]. Received: loss='bce'"),
+         (r"`loss` must be one of \['non_saturating', 'hinge', 'least_squares', "
+          r"'wasserstein'\]. Received: loss='bce'")),
         ({"discriminator_steps": 0}, ValueError, "Received: discriminator_steps=0"),
         ({"latent_dim": 0}, ValueError, "Received: latent_dim=0"),
         ({"latent_dim": -2}, ValueError, "Received: latent_dim=-2"),
