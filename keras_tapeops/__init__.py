@@ -29,7 +29,11 @@ from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PG
 from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
 from keras_tapeops import privacy  # noqa: E402  (kt.privacy.epsilon, kt.privacy.poisson_batches, ...)
 from keras_tapeops.privacy.dpsgd import DPSGD  # noqa: E402
+from keras_tapeops import gan  # noqa: E402,F401  (kt.gan.losses, kt.gan.DiscriminatorPenalty)
+from keras_tapeops.gan import GAN  # noqa: E402
+from keras_tapeops.gan import R1Penalty  # noqa: E402
 from keras_tapeops.gan import WGANGP  # noqa: E402
+from keras_tapeops.gan import WGANGradientPenalty  # noqa: E402
 from keras_tapeops.groups import optimizer_groups  # noqa: E402
 from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
 from keras_tapeops.meta import MetaLearner  # noqa: E402
@@ -104,6 +108,9 @@ __all__ = [
     "top_hessian_eigenvalue",
     # Gradient penalties and GANs.
     "WGANGP",
+    "GAN",
+    "R1Penalty",
+    "WGANGradientPenalty",
     "gradient_penalty",
     # Differential privacy (compile(differential_privacy=...)) and its accounting.
     "DPSGD",

@@ -50,6 +50,8 @@ CONFIG_CLASSES = [
     kt.ClipByNorm, kt.ClipByGlobalNorm, kt.WGANGP, kt.TapeOpsSequential,
     kt.TapeOpsFunctional, kt.SkipNonFinite, kt.LogGradientNorm, kt.SAM,
     kt.AdaptiveClip, kt.CentralizeGradients, kt.LogUpdateRatio,
+    # Fourth round: kt.GAN and its penalties (behaviour: tests/test_gan_general.py).
+    kt.GAN, kt.R1Penalty, kt.WGANGradientPenalty,
     # Third round: each has its behavioural round trip in its own test file.
     kt.AdversarialLoss, kt.TRADES, kt.DPSGD, kt.MetaLearner, kt.PDEResidual,
     kt.ConditionLoss, kt.PCGrad, kt.MGDA, kt.CAGrad, kt.IMTLG, kt.AlignedMTL,
