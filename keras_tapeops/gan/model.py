@@ -77,7 +77,9 @@ class GAN(keras.Model):
     # `discriminator_loss`); `kt.WGANGP` calls it "critic".
     _role = "discriminator"
     # compile()'s argument for each player's gradient transforms (None: not taken).
-    _transform_arguments = ("generator_gradient_transforms", "discriminator_gradient_transforms")
+    _transform_arguments: tuple[str | None, str] = (
+        "generator_gradient_transforms", "discriminator_gradient_transforms",
+    )
 
     def __init__(
         self,
