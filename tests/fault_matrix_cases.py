@@ -246,7 +246,6 @@ for _case in CASES:
 for _name in ("maml", "meta_sgd"):
     EXPECTED[_name]["empty_batch"] = ("xfail: an empty meta-batch crashes in the "
                                       "vectorized inner loop", "defect")
-EXPECTED["wgangp"]["empty_batch"] = ("xfail: an empty batch logs nan losses", "defect")
 
 
 def expected(case, condition, default):

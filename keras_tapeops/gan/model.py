@@ -307,11 +307,14 @@ class GAN(keras.Model):
             penalties.append(penalty)
         # One tracker update per batch (the mean over its discriminator steps,
         # all of the same size): the same epoch mean as one update per step.
-        self._discriminator_tracker.update_state(_mean(discriminator_losses), sample_weight=n)
+        self._discriminator_tracker.update_state(
+            _unless_empty(_mean(discriminator_losses), n), sample_weight=n)
         if self.gradient_penalty is not None:
-            self.gradient_penalty_tracker.update_state(_mean(penalties), sample_weight=n)
+            self.gradient_penalty_tracker.update_state(
+                _unless_empty(_mean(penalties), n), sample_weight=n)
         generator_loss = self.generator_train_step(real, labels)
-        self.generator_loss_tracker.update_state(generator_loss, sample_weight=n)
+        self.generator_loss_tracker.update_state(
+            _unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
     def test_step(self, data):
@@ -319,10 +322,11 @@ class GAN(keras.Model):
         n = replicas.batch_size(real)
         loss, penalty = self.discriminator_losses(real, 0, False, labels)
         generator_loss = self.generator_objective(real, False, labels)
-        self._discriminator_tracker.update_state(loss, sample_weight=n)
+        self._discriminator_tracker.update_state(_unless_empty(loss, n), sample_weight=n)
         if self.gradient_penalty is not None:
-            self.gradient_penalty_tracker.update_state(penalty, sample_weight=n)
-        self.generator_loss_tracker.update_state(generator_loss, sample_weight=n)
+            self.gradient_penalty_tracker.update_state(_unless_empty(penalty, n), sample_weight=n)
+        self.generator_loss_tracker.update_state(
+            _unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
     def discriminator_train_step(self, real, step, labels=None):
@@ -503,6 +507,12 @@ def _apply(optimizer, bound, grads, variables):
         optimizer, grads, variables,
         transform=lambda g, v: apply_in_order(bound, g, v),
     )
+
+
+def _unless_empty(value, n):
+    """`value`, or 0 for an empty batch (its mean is nan; its tracker weight is 0)."""
+    value = tf.convert_to_tensor(value)
+    return tf.where(tf.cast(n, tf.float32) > 0, value, tf.zeros_like(value))
 
 
 def _mean(values):
