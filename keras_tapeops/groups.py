@@ -52,6 +52,7 @@ from typing import Sequence
 import keras
 
 from keras_tapeops import _compat
+from keras_tapeops._keras import optimizers as keras_optimizers
 from keras_tapeops._keras import private
 from keras_tapeops import paths
 from keras_tapeops import selectors
@@ -190,12 +191,12 @@ def check_reused_optimizer(model, optimizer):
         return
     if not model.built:
         return
-    known = _built_variable_keys(inner)
+    known = keras_optimizers.built_variable_keys(inner)
     now = list(model.trainable_variables)
-    now_keys = {_variable_key(inner, v) for v in now}
+    now_keys = {keras_optimizers.variable_key(inner, v) for v in now}
     if now_keys == known:
         return
-    added = [v.path for v in now if _variable_key(inner, v) not in known]
+    added = [v.path for v in now if keras_optimizers.variable_key(inner, v) not in known]
     removed = len(known - now_keys)
     change = []
     if added:
@@ -213,21 +214,6 @@ def check_reused_optimizer(model, optimizer):
         "freeze them with kt.callbacks.GradualUnfreezing). "
         f"Received: optimizer={inner.name!r} (built)"
     )
-
-
-def _built_variable_keys(multi_optimizer):
-    """Keys of the variables a built MultiOptimizer applies.
-
-    Keras keeps them only in the private index `_trainable_variables_indices`
-    (what `MultiOptimizer.apply` counts the gradients against), keyed by the
-    private `_var_key`.
-    """
-    return set(multi_optimizer._trainable_variables_indices)
-
-
-def _variable_key(optimizer, variable):
-    """The key Keras's optimizers index a variable by (the private `_var_key`)."""
-    return optimizer._var_key(variable)
 
 
 # ------------------------------------------------------------- shared helpers

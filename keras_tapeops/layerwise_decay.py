@@ -35,6 +35,7 @@ from typing import Sequence
 import keras
 import numpy as np
 
+from keras_tapeops._keras import optimizers as keras_optimizers
 from keras_tapeops import groups as groups_module
 from keras_tapeops import selectors
 from keras_tapeops.selectors import Selector
@@ -172,17 +173,10 @@ def clone_with_rate(optimizer, base_rate, multiplier, name):
     else:
         config["learning_rate"] = base_rate * multiplier
     clone = type(optimizer).from_config(config)
-    _copy_weight_decay_exclusions(optimizer, clone)
-    return clone
-
-
-def _copy_weight_decay_exclusions(source, target):
     # `exclude_from_weight_decay()` keeps its arguments only in private
     # attributes (and no config); the clone must exclude the same variables.
-    for attribute in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-        if hasattr(source, attribute):
-            setattr(target, attribute, getattr(source, attribute))
-    target._exclude_from_weight_decay_cache = {}
+    keras_optimizers.copy_weight_decay_exclusions(optimizer, clone)
+    return clone
 
 
 def _base_rate(optimizer):

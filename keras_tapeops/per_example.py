@@ -43,6 +43,8 @@ losses = per_example_losses(model, y, model(x))   # shape [4]
 import keras
 import tensorflow as tf
 
+from keras_tapeops._keras import compile_loss as keras_loss
+from keras_tapeops._keras import masking
 from keras_tapeops._keras import private
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -75,7 +77,7 @@ def per_example_losses(model, y, y_pred, sample_weight=None):
         )
     y, y_pred = _aligned(compile_loss, y, y_pred)
     total = None
-    for path, loss_fn, loss_weight, name in _flat_losses(compile_loss):
+    for path, loss_fn, loss_weight, name in keras_loss.flat_losses(compile_loss):
         y_t, y_p = _resolve(path, y), _resolve(path, y_pred)
         weight = sample_weight
         if sample_weight is not None and tf.nest.is_nested(sample_weight):
@@ -102,11 +104,11 @@ def _one_loss(loss_fn, y_true, y_pred, sample_weight, name):
             f"{list(_SUPPORTED_REDUCTIONS)}. Received: reduction={reduction!r}"
         )
     dtype = getattr(loss_fn, "dtype", None) or keras.backend.floatx()
-    in_mask = _keras_mask(y_pred)
+    in_mask = masking.keras_mask(y_pred)
     y_pred = tf.nest.map_structure(lambda t: tf.cast(t, dtype), y_pred)
     y_true = tf.nest.map_structure(lambda t: tf.cast(t, dtype), y_true)
     values = loss_fn.call(y_true, y_pred)
-    out_mask = _keras_mask(values)
+    out_mask = masking.keras_mask(values)
     values = tf.convert_to_tensor(values, dtype)
     if values.shape.rank == 0:
         raise ValueError(
@@ -178,20 +180,10 @@ def _resolve(path, structure):
     return structure
 
 
-# ------------------------------------------------------------------ private
+# ------------------------------------------------------- the compiled loss
 # Keras has no public per-output view of the compiled loss. The helpers below
-# read `CompileLoss` (`model._compile_loss`, via `_keras.private`) the way its
-# own `call()` does in Keras 3.10-3.15; they are the only private accesses.
-
-
-def _flat_losses(compile_loss):
-    """`(path, loss_fn, loss_weight, name)` of each output (`_flat_losses`)."""
-    return list(compile_loss._flat_losses)
-
-
-def _keras_mask(tensor):
-    """The Keras mask carried by a tensor (`_keras_mask`), or None."""
-    return getattr(tensor, "_keras_mask", None)
+# restructure the batch the way `CompileLoss.call` does in Keras 3.10-3.15,
+# reading its private attributes through `_keras.compile_loss`.
 
 
 def _aligned(compile_loss, y_true, y_pred):
@@ -207,8 +199,8 @@ def _aligned(compile_loss, y_true, y_pred):
     y_true = _match_structure(compile_loss, y_true, y_pred)
     if not compile_loss.built:
         compile_loss.build(y_true, y_pred)
-    y_pred = _repack(compile_loss._y_pred_build_structure, y_pred)
-    y_true = _repack(compile_loss._y_true_build_structure, y_true)
+    y_pred = _repack(keras_loss.y_pred_build_structure(compile_loss), y_pred)
+    y_true = _repack(keras_loss.y_true_build_structure(compile_loss), y_true)
     return y_true, y_pred
 
 
@@ -243,7 +235,8 @@ def _match_structure(compile_loss, y_true, y_pred):
     except Exception:  # noqa: BLE001
         pass
     flat_true = keras.tree.flatten(y_true)
-    flat_loss = keras.tree.flatten(compile_loss._user_loss)
+    user_loss = keras_loss.user_loss(compile_loss)
+    flat_loss = keras.tree.flatten(user_loss)
     present = [i for i, loss in enumerate(flat_loss) if loss is not None]
     if len(flat_true) != len(present):
         raise ValueError(
@@ -253,7 +246,7 @@ def _match_structure(compile_loss, y_true, y_pred):
     filled = [None] * len(flat_loss)
     for value, i in zip(flat_true, present):
         filled[i] = value
-    return keras.tree.pack_sequence_as(compile_loss._user_loss, filled)
+    return keras.tree.pack_sequence_as(user_loss, filled)
 
 
 __all__ = ["per_example_losses"]

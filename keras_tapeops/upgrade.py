@@ -34,6 +34,7 @@ from typing import Any
 
 import keras
 
+from keras_tapeops._keras import models as keras_models
 from keras_tapeops.mixin import TapeOpsMixin
 from keras_tapeops.registration import PACKAGE
 from keras_tapeops.registration import register
@@ -261,11 +262,10 @@ class _UpgradedModel:
 def _unpickle(bytesio):
     """Loads a pickled upgraded model (see `_UpgradedModel.__reduce__`).
 
-    `keras.Model._unpickle_model` is Keras's private unpickling entry point
-    (kept stable for old pickles); it does not depend on the class it is
-    called on.
+    Through Keras's private unpickling entry point, which does not depend on
+    the class it is called on (`keras_tapeops._keras.models.unpickle_model`).
     """
-    return keras.Model._unpickle_model(bytesio)
+    return keras_models.unpickle_model(bytesio)
 
 
 class _UpgradedModelLoader:
@@ -342,15 +342,13 @@ def _reclass(model, upgraded):
 
 
 def _functional_class():
-    """Keras's functional model class (`keras.src.models.Functional`).
+    """Keras's functional model class (`keras_tapeops._keras.models.functional_class`).
 
     Keras exports no public name for it; a functional-built subclass has it
     in its MRO, and the upgraded class must list it so that `TapeOpsMixin`
     comes before it.
     """
-    from keras.src.models.functional import Functional
-
-    return Functional
+    return keras_models.functional_class()
 
 
 def _base_name(base):

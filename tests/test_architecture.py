@@ -221,21 +221,7 @@ def private_keras_accesses(modules, keras_private, own):
 
 
 # Accesses not yet moved into `_keras/` (issue 27): this list may only shrink.
-NOT_YET_ISOLATED = {
-    ("keras_tapeops.per_example", "_y_pred_build_structure"),
-    ("keras_tapeops.per_example", "_y_true_build_structure"),
-    ("keras_tapeops.per_example", "_user_loss"),
-    ("keras_tapeops.groups", "_trainable_variables_indices"),
-    ("keras_tapeops.groups", "_var_key"),
-    ("keras_tapeops.upgrade", "keras.src.models.functional"),
-    ("keras_tapeops.upgrade", "_unpickle_model"),
-    ("keras_tapeops.callbacks.gradual_unfreezing", "_trainable_variables"),
-    ("keras_tapeops.callbacks.gradual_unfreezing", "_trainable_variables_indices"),
-    ("keras_tapeops.callbacks.gradual_unfreezing", "_var_key"),
-    ("keras_tapeops.layerwise_decay", "_exclude_from_weight_decay_cache"),
-    ("keras_tapeops.accumulation.reductions", "_metrics"),
-    ("keras_tapeops.attacks.objectives", "_metrics"),
-}
+NOT_YET_ISOLATED: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,15 @@ subpackage imports `keras.src` or reads a private Keras attribute
 (`tests/test_architecture.py` checks it).
 
 Modules:
-    private:     the model's trainer internals (loss tracker, compiled loss,
-                 symbolic build, multi-worker logs, layer walking).
-    multitask:   the compiled loss's per-output records for task balancing.
-    selection:   the symbolic build of a model whose inputs carry example ids.
+    private:      the model's trainer internals (loss tracker, compiled loss,
+                  symbolic build, multi-worker logs, layer walking, a layer's
+                  own trainable variables).
+    compile_loss: the compiled loss's per-output entries, build structures,
+                  `loss=` argument and per-output trackers.
+    masking:      the Keras mask a tensor carries.
+    models:       the functional model class and Keras's unpickling entry point.
+    optimizers:   an optimizer's variable keys, the variables it was built
+                  with, its weight-decay exclusions.
+    multitask:    the compiled loss's per-output records for task balancing.
+    selection:    the symbolic build of a model whose inputs carry example ids.
 """

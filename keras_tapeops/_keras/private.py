@@ -1,7 +1,9 @@
-"""The only module that touches private Keras attributes.
+"""Private Keras attributes of the model and its trainer (see the package docstring).
 
 Keras 3 has no public API for these few things; each function says why it
 needs the private name, so that a Keras upgrade breaks in one place only.
+The compiled loss, optimizers, model classes and masks have their own
+modules beside this one.
 """
 
 import contextlib
@@ -148,9 +150,9 @@ def is_functional(model):
 
     Keras exports no public name for the functional model class.
     """
-    from keras.src.models.functional import Functional
+    from keras_tapeops._keras.models import functional_class
 
-    return isinstance(model, Functional)
+    return isinstance(model, functional_class())
 
 
 def direct_sublayers(layer):
@@ -334,7 +336,7 @@ def trainable_capable_variables(model):
     """
     capable = set()
     for layer in [model] + all_layers(model):
-        for variable in getattr(layer, "_trainable_variables", []):
+        for variable in created_trainable_variables(layer):
             capable.add(id(variable))
     seen = set()
     out = []
@@ -343,3 +345,15 @@ def trainable_capable_variables(model):
             seen.add(id(variable))
             out.append(variable)
     return out
+
+
+def created_trainable_variables(layer):
+    """The variables `layer` itself created trainable, frozen now or not.
+
+    Keras keeps them in the private list `layer._trainable_variables` (Keras
+    3.10 to 3.15), the one its `trainable` setter walks; sublayers' variables
+    are not in it. No public API lists a layer's own variables apart from its
+    sublayers', nor tells a frozen kernel from a non-trainable one (see
+    `trainable_capable_variables`). An object without the list gives [].
+    """
+    return list(getattr(layer, "_trainable_variables", []))

@@ -39,9 +39,9 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_tapeops._keras import compile_loss as keras_loss
+from keras_tapeops._keras import masking
 from keras_tapeops._keras import private
-from keras_tapeops.per_example import _flat_losses
-from keras_tapeops.per_example import _keras_mask as _tensor_mask
 from keras_tapeops.per_example import _resolve
 from keras_tapeops.per_example import _same_rank
 from keras_tapeops import hook_overrides
@@ -254,7 +254,7 @@ def intercepted(model, on_value, option, mute_output_trackers=False, on_other=No
         The list the `Record`s are appended to, in call order.
     """
     compile_loss = private.compiled_loss(model)
-    original = _flat_losses(compile_loss)
+    original = keras_loss.flat_losses(compile_loss)
     trackers = output_trackers(model) if mute_output_trackers else []
     records = []
     home = tf.compat.v1.get_default_graph()
@@ -273,15 +273,15 @@ def intercepted(model, on_value, option, mute_output_trackers=False, on_other=No
         ))
         for i, entry in enumerate(original)
     ]
-    _set_flat_losses(compile_loss, wrapped)
+    keras_loss.set_flat_losses(compile_loss, wrapped)
     if trackers:
-        _set_output_trackers(compile_loss, [None] * len(trackers))
+        keras_loss.set_output_trackers(compile_loss, [None] * len(trackers))
     try:
         yield records
     finally:
-        _set_flat_losses(compile_loss, original)
+        keras_loss.set_flat_losses(compile_loss, original)
         if trackers:
-            _set_output_trackers(compile_loss, trackers)
+            keras_loss.set_output_trackers(compile_loss, trackers)
 
 
 def output_trackers(model):
@@ -340,7 +340,7 @@ def log_output_losses(model, records, sums, masked_sizes):
 
 def flat_losses(model):
     """The built compiled loss's per-output entries `(path, loss, loss_weights, name)`."""
-    return _flat_losses(private.compiled_loss(model))
+    return keras_loss.flat_losses(private.compiled_loss(model))
 
 
 def build_compiled_loss(model, x, y, sample_weight):
@@ -352,7 +352,7 @@ def build_compiled_loss(model, x, y, sample_weight):
     """
     compile_loss = private.compiled_loss(model)
     if compile_loss is not None and not compile_loss.built:
-        _symbolic_build(model, (x, y, sample_weight))
+        private.symbolic_build(model, (x, y, sample_weight))
 
 
 def weight_totals(model, sample_weight):
@@ -364,7 +364,7 @@ def weight_totals(model, sample_weight):
     if sample_weight is None:
         return {}
     totals = {}
-    for i, entry in enumerate(_flat_losses(private.compiled_loss(model))):
+    for i, entry in enumerate(keras_loss.flat_losses(private.compiled_loss(model))):
         weights = sample_weight
         if tf.nest.is_nested(sample_weight):
             weights = _resolve(entry.path, sample_weight)
@@ -471,32 +471,15 @@ def _unwrapped(loss):
     return loss
 
 
-# ------------------------------------------------------------------ private
+# ------------------------------------------------------- the compiled loss
 # Keras has no public per-output view of the compiled loss (`CompileLoss`,
-# `model._compile_loss`). The private accesses are per_example.py's readers
-# of it (the list of per-output losses `CompileLoss.call` iterates, Keras
-# 3.10-3.15, and the Keras mask a tensor carries) and the helpers below:
-# replacing that list while a pass is traced, and Keras's symbolic build.
-
-
-def _set_flat_losses(compile_loss, entries):
-    """Sets `CompileLoss._flat_losses`, the per-output list its `call` iterates."""
-    compile_loss._flat_losses = list(entries)
-
-
-def _set_output_trackers(compile_loss, trackers):
-    """Sets `CompileLoss._metrics`, the per-output trackers its `call` updates
-    (`if metric: metric.update_state(...)`, so `None`s mute them)."""
-    compile_loss._metrics = list(trackers)
+# `model._compile_loss`): its per-output list, its trackers, the Keras mask
+# a tensor carries and Keras's symbolic build are read and replaced through
+# `keras_tapeops._keras` (`compile_loss`, `masking`, `private`).
 
 
 def _keras_mask(tensor):
     """The Keras mask a prediction carries, or None (also for a structure)."""
     if tf.nest.is_nested(tensor):
         return None
-    return _tensor_mask(tensor)
-
-
-def _symbolic_build(model, data_batch):
-    """`Trainer._symbolic_build`: builds the model, compiled loss and metrics."""
-    model._symbolic_build(data_batch=data_batch)
+    return masking.keras_mask(tensor)

@@ -7,11 +7,10 @@ size, which keeps the per-example gradients away from float16's underflow
 under mixed precision.
 """
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
+from keras_tapeops._keras import compile_loss as keras_loss
 from keras_tapeops._keras import private
 from keras_tapeops import selectors
 
@@ -111,30 +110,22 @@ def compiled_loss_value(model, y, y_pred, sample_weight=None):
     return compiled(y, y_pred, sample_weight)
 
 
-@contextlib.contextmanager
 def _per_output_trackers_muted(compiled):
     """Stops a built `CompileLoss` from updating its per-output loss trackers.
 
     For a multi-output model, calling the compiled loss object
     (`model._compile_loss`; Keras has no public handle on it) also records
     each output's loss in the `Mean` trackers behind the `<output>_loss`
-    logs, through its private `_metrics` list (`if metric: metric.update_state`).
-    An attack's or adversarial term's extra calls must not be logged as the
-    model's losses, so the list is replaced by as many `None`s for the call.
+    logs (`if metric: metric.update_state`). An attack's or adversarial
+    term's extra calls must not be logged as the model's losses, so the
+    trackers are replaced by as many `None`s for the call
+    (`_keras.compile_loss.output_trackers_muted`).
     No cross-replica call happens inside the block, so MirroredStrategy's
     replica threads (which run one at a time between such calls) never see
     the muted list. An unbuilt loss (first call, outside a training step) is
     called as is: it builds its trackers, which `fit`/`evaluate` reset.
     """
-    trackers = getattr(compiled, "_metrics", None)
-    if not getattr(compiled, "built", False) or not trackers:
-        yield
-        return
-    compiled._metrics = [None] * len(trackers)
-    try:
-        yield
-    finally:
-        compiled._metrics = trackers
+    return keras_loss.output_trackers_muted(compiled)
 
 
 def log_probabilities(outputs, from_logits):

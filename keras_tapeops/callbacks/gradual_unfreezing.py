@@ -47,6 +47,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_tapeops._keras import optimizers as _keras_optimizers
 from keras_tapeops._keras import private as _keras_private
 from keras_tapeops import selectors
 from keras_tapeops.callbacks.group_learning_rate import check_verbose
@@ -263,12 +264,11 @@ def frozen_layers_of(model, scheduled):
 def own_trainable_capable_variables(layer):
     """The variables `layer` itself created trainable (frozen now or not).
 
-    Keras keeps them in the private list `layer._trainable_variables`, the
-    one its `trainable` setter walks; no public API lists a layer's own
-    variables apart from its sublayers'. (Candidate for
-    `keras_tapeops._keras.private`, next to `trainable_capable_variables`.)
+    Keras keeps them only in a private list, the one its `trainable` setter
+    walks; no public API lists a layer's own variables apart from its
+    sublayers'. See `keras_tapeops._keras.private.created_trainable_variables`.
     """
-    return list(getattr(layer, "_trainable_variables", []))
+    return _keras_private.created_trainable_variables(layer)
 
 
 def sync_multi_optimizer(model, variables):
@@ -291,17 +291,13 @@ def sync_multi_optimizer(model, variables):
 def optimizer_knows(optimizer, variable):
     """True if `optimizer` (or one of its sub-optimizers) was built with `variable`.
 
-    Keras keeps the variables an optimizer was built with only in the
-    private index `_trainable_variables_indices` (what `apply` checks with
-    `_check_variables_are_known`); no public API tells. (Candidate for
-    `keras_tapeops._keras.private`.)
+    Keras keeps the variables an optimizer was built with only in a private
+    index (what `apply` checks its gradients against); no public API tells.
+    See `keras_tapeops._keras.optimizers.was_built_with`.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     subs = getattr(optimizer, "optimizers", None) or [optimizer]
-    return any(
-        sub.built and sub._var_key(variable) in sub._trainable_variables_indices
-        for sub in subs
-    )
+    return any(_keras_optimizers.was_built_with(sub, variable) for sub in subs)
 
 
 def _check_schedule(schedule):
