@@ -67,6 +67,7 @@ def grad_cam(
     x, rest, position = targets.split_inputs(
         model, x, 0 if default and len(x) else input_name, floating=not default
     )
+    targets.check_output_name(model, output_name)
     if upsample and x.shape.rank != 4:
         raise ValueError(
             "`upsample=True` needs image inputs (batch, height, width, channels). "

@@ -54,6 +54,7 @@ def saliency(
     """
     targets.check_model(model)
     x, rest, position = targets.split_inputs(model, x, input_name)
+    targets.check_output_name(model, output_name)
     absolute = validation.boolean(absolute, "absolute")
     wanted = targets.target_tensor(target, x.shape[0])
 
@@ -111,6 +112,7 @@ def smoothgrad(
     """
     targets.check_model(model)
     x, rest, position = targets.split_inputs(model, x, input_name)
+    targets.check_output_name(model, output_name)
     samples = validation.positive_int(samples, "samples")
     noise = validation.non_negative_number(noise, "noise")
     absolute = validation.boolean(absolute, "absolute")

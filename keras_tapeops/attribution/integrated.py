@@ -77,6 +77,7 @@ def integrated_gradients(
     """
     targets.check_model(model)
     x, rest, position = targets.split_inputs(model, x, input_name)
+    targets.check_output_name(model, output_name)
     steps = validation.positive_int(steps, "steps")
     base = _baselines(baseline, baselines, num_random_baselines, random_baseline_range, seed, x)
     per_pass = _groups_per_pass(batch_size, x.shape[0])

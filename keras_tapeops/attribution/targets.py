@@ -222,12 +222,38 @@ def _input_names(model):
 
 
 def _output_names(model, count):
-    """The model's output names if it has `count` of them, else None."""
+    """The model's output names if it has `count` of them, else None.
+
+    A functional model's `output_names` (the layers that make its outputs);
+    a Sequential model's last layer.
+    """
     try:
         names = list(model.output_names)
     except (AttributeError, TypeError, ValueError):
-        return None
+        names = [model.layers[-1].name] if isinstance(model, keras.Sequential) else []
     return names if len(names) == count else None
+
+
+def check_output_name(model, output_name):
+    """Checks `output_name` before tracing where the model's outputs are known.
+
+    A functional or Sequential model declares its outputs; a subclassed
+    model's are checked on its first traced call (`outputs_of`).
+    """
+    if isinstance(model, keras.Sequential):
+        structure = None
+    else:
+        try:
+            structure = model.output
+        except (AttributeError, ValueError):
+            return
+    if isinstance(structure, dict):
+        _choose(output_name, list(structure), "output_name", "output", "outputs")
+    elif isinstance(structure, (list, tuple)):
+        names = _output_names(model, len(structure))
+        _choose(output_name, names, "output_name", "output", "outputs", len(structure))
+    elif output_name is not None:
+        _check_single_choice(output_name, _output_names(model, 1), "output_name", "output")
 
 
 def _check_single_choice(choice, names, argument, what):
