@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
+from keras_tapeops.attribution import compiled
 
 TOL = 1e-6
 OUTPUTS = {"logits": 0, "aux": 1}
@@ -325,3 +326,68 @@ def test_a_subclassed_two_input_model_is_chosen_by_index():
     with pytest.raises(ValueError, match="2 unnamed inputs or an index below 2. "
                                          "Received: input_name='b'"):
         kt.attribution.saliency(model, [a, b], input_name="b")
+
+
+def test_smoothgrad_adds_noise_to_the_chosen_input_only():
+    model = two_by_two()
+    image, meta = batch()
+    samples, level, seed = 4, 0.2, 5
+    spread = (meta.max(axis=1) - meta.min(axis=1)).reshape(1, 3, 1)
+    draws = tf.random.stateless_normal((samples,) + meta.shape, [seed, 0]).numpy()
+    noisy = meta[None] + level * spread * draws
+    units = np.argmax(model([image, meta], training=False)[1].numpy(), axis=1)
+    gradient = hand_gradient(model, "meta", "aux", units)
+    expected = np.mean([gradient(image, point).numpy() for point in noisy], axis=0)
+    actual = kt.attribution.smoothgrad(model, [image, meta], samples=samples, noise=level,
+                                       seed=seed, absolute=False, input_name="meta",
+                                       output_name="aux")
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOL)
+
+
+def test_each_choice_is_traced_once():
+    model = two_by_two()
+    image, meta = batch()
+    for _ in range(3):
+        for name in ("image", "meta"):
+            kt.attribution.saliency(model, [image, meta], target=TARGET, input_name=name,
+                                    output_name="logits")
+            kt.attribution.integrated_gradients(model, [image, meta], target=TARGET, steps=2,
+                                                num_random_baselines=2, seed=0,
+                                                input_name=name, output_name="logits")
+    functions = compiled._FUNCTIONS[model]
+    assert len(functions) == 4
+    assert all(f.experimental_get_tracing_count() == 1 for f in functions.values())
+
+
+def test_one_tensor_for_a_multi_input_model_is_refused():
+    model = two_by_two()
+    with pytest.raises(TypeError, match=r"several inputs \(\['image', 'meta'\]\).*"
+                                        r"Received: x of type ndarray"):
+        kt.attribution.saliency(model, batch()[0], output_name="logits")
+
+
+def test_a_subclassed_dict_output_model_is_chosen_by_key():
+    class TwoHeads(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(2)
+            self.b = keras.layers.Dense(3, activation="tanh")
+
+        def call(self, x):
+            return {"a": self.a(x), "b": self.b(x)}
+
+    model = TwoHeads()
+    x = np.random.default_rng(7).normal(size=(2, 4)).astype("float32")
+    model(x)
+
+    @tf.function
+    def hand(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            score = tf.reduce_sum(model(x, training=False)["b"][:, 2])
+        return tape.gradient(score, x)
+
+    actual = kt.attribution.saliency(model, x, target=2, absolute=False, output_name="b")
+    np.testing.assert_allclose(actual, hand(tf.constant(x)).numpy(), rtol=0, atol=TOL)
+    with pytest.raises(ValueError, match=r"outputs \['a', 'b'\].*Received: output_name='c'"):
+        kt.attribution.saliency(model, x, output_name="c")

@@ -139,6 +139,12 @@ def split_inputs(model, x, input_name, floating=True):
     """
     names = _input_names(model)
     if not isinstance(x, (dict, list, tuple)):
+        if names is not None and len(names) > 1:
+            raise TypeError(
+                f"The model has several inputs ({names!r}): pass all of them (a list or "
+                "a dict) and choose the one to explain with `input_name=`. Received: x "
+                f"of type {type(x).__name__}"
+            )
         if input_name is not None:
             _check_single_choice(input_name, names, "input_name", "input")
         return input_tensor(x), None, None
