@@ -118,7 +118,6 @@ def check_resolved(target, resolved, units):
         )
 
 
-
 def split_inputs(model, x, input_name, floating=True):
     """The input to attribute to, and the other inputs held fixed.
 
