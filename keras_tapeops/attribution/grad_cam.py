@@ -14,7 +14,8 @@ from keras_tapeops.attribution import targets
 
 
 def grad_cam(
-    model: Any, x: Any, layer: Any, target: Any = None, upsample: bool = False
+    model: Any, x: Any, layer: Any, target: Any = None, upsample: bool = False,
+    input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """Grad-CAM: `relu(sum_c w_c * A_c)`, `w_c` the spatial mean of `d score / d A_c`.
 
@@ -24,9 +25,9 @@ def grad_cam(
     nested backbones (`"backbone/Conv_1"`).
 
     Args:
-        model: a single-input, single-output Keras model; called with
-            `training=False`.
-        x: a batch of inputs.
+        model: a Keras model; called with `training=False`.
+        x: a batch of inputs; for a model with several inputs, all of them as
+            a list/tuple or dict.
         layer: the layer's path from the outer model (the grammar of
             `keras_tapeops.paths`, e.g. `"mobilenetv2_0.35_32/Conv_1"`), a
             bare name found at any depth, or the layer object. It must run
@@ -36,6 +37,12 @@ def grad_cam(
         upsample: False: the map at the layer's spatial resolution; True:
             resized (bilinear) to the input's spatial size (image inputs
             `(batch, height, width, channels)`).
+        input_name: for a model with several inputs, the one whose spatial
+            size `upsample` resizes to (a name or an index; see `saliency`);
+            the map itself is of `layer`, whatever input feeds it. None: the
+            only input, or the first with several inputs and `upsample=False`.
+        output_name: the output to explain when the model has several (a
+            name or an index; see `saliency`).
 
     Returns:
         A NumPy float32 array `(batch, *spatial)`, not normalized (divide by
@@ -53,8 +60,14 @@ def grad_cam(
     ```
     """
     targets.check_model(model)
-    x = targets.input_tensor(x)
     upsample = validation.boolean(upsample, "upsample")
+    # The map does not depend on which input is chosen (the others are held
+    # fixed, all feed the layer as given); only upsampling reads it.
+    default = input_name is None and not upsample and isinstance(x, (dict, list, tuple))
+    x, rest, position = targets.split_inputs(
+        model, x, 0 if default and len(x) else input_name, floating=not default
+    )
+    targets.check_output_name(model, output_name)
     if upsample and x.shape.rank != 4:
         raise ValueError(
             "`upsample=True` needs image inputs (batch, height, width, channels). "
@@ -64,13 +77,13 @@ def grad_cam(
     wanted = targets.target_tensor(target, x.shape[0])
 
     def build(ref):
-        def run(x, wanted):
-            model = ref()
+        def run(x, rest, wanted):
+            forward = targets.Forward(ref(), rest, position, output_name)
             with capture.recording_outputs([found]) as records:
                 with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    outputs = targets.outputs_of(model, x)
-                    scores, resolved, units = targets.selected(outputs, wanted)
+                    if x.dtype.is_floating:
+                        tape.watch(x)
+                    scores, resolved, units = targets.selected(forward(x), wanted)
             activations = records[id(found)]
             if len(activations) != 1 or activations[0].shape.rank < 3:
                 raise ValueError(
@@ -91,8 +104,8 @@ def grad_cam(
 
         return run
 
-    key = ("grad_cam", id(found), upsample)
-    cam, resolved, units = compiled.traced(model, key, build)(x, wanted)
+    key = ("grad_cam", id(found), upsample) + targets.choice_key(position, output_name)
+    cam, resolved, units = compiled.traced(model, key, build)(x, rest, wanted)
     targets.check_resolved(target, resolved, units)
     return np.asarray(cam, np.float32)
 
