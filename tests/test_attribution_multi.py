@@ -17,6 +17,8 @@ import tensorflow as tf
 import keras_tapeops as kt
 from keras_tapeops.attribution import compiled
 
+pytestmark = pytest.mark.unit  # no fit; under 3 s each
+
 TOL = 1e-6
 OUTPUTS = {"logits": 0, "aux": 1}
 TARGET = np.array([2, 0, 1])  # a unit of both outputs (aux has 2 units, logits 3)

@@ -53,9 +53,9 @@ class LossTerm(Term):
         kl = -0.5 * (1 + z_log_var - z_mean**2 - keras.ops.exp(z_log_var))
         return keras.ops.mean(keras.ops.sum(kl, axis=1))
 
-    vae.compile(optimizer="adam", loss=reconstruction_loss,
-                loss_terms=[kt.LossTerm(kl_divergence,
-                                        layers=["z_mean", "z_log_var"])])
+    kl_term = kt.LossTerm(kl_divergence, layers=["z_mean", "z_log_var"])
+    # vae.compile(optimizer="adam", loss=reconstruction, loss_terms=[kl_term])
+    # (the whole VAE: docs/terms.md)
     ```
     """
 
