@@ -69,9 +69,11 @@ def test_every_capability_page_is_in_the_table():
     for page in sorted(DOCS.glob("*.md")):
         if page.name not in not_capabilities:
             assert page.name in linked, f"docs/{page.name} has no row in the README's table"
-    # The site lists the capabilities in the table's order.
+    # The site lists the capabilities in the table's order (a page that
+    # docs/hooks.py does not list yet comes after them there).
+    table = [pathlib_name(target) for _, target in capability_table(README)]
     assert [name for name in hooks.CAPABILITIES if (DOCS / name).exists()] == [
-        pathlib_name(target) for _, target in capability_table(README)
+        name for name in table if name in hooks.CAPABILITIES
     ]
 
 
