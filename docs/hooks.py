@@ -8,6 +8,10 @@
   added to the site and shown on their pages. A missing PNG fails the build
   with the command to run, unless KT_DOCS_FIGURES=optional (the fast site test:
   the page then says the figure was not generated).
+- The navigation is in reading order (`nav_rank`): Home, Getting started,
+  Concepts, one page per capability (`CAPABILITIES`, then any page not
+  listed anywhere, by file name: a new page appears without editing this
+  file), Recipes, Extending, Faults, the API reference, the Changelog last.
 - pytest-markdown-docs' fence options (`python notest`, `python continuation`)
   are dropped from the rendered code fences so they highlight as Python.
 """
@@ -88,10 +92,59 @@ def on_files(files, config):
     return files
 
 
+# Reading order of the navigation. Pages before the capabilities, the
+# capabilities in the README's order, pages after them; a docs/*.md page in
+# none of these lists is a capability page placed after the listed ones.
+BEFORE = ("index.md", "getting_started.md", "concepts.md")
+CAPABILITIES = (
+    "upgrade.md", "transforms.md", "terms.md", "penalties.md", "gan.md", "accumulation.md",
+    "observability.md", "groups.md", "sam.md", "second_order.md", "multi_task.md",
+    "privacy.md", "selection.md", "adversarial.md", "attribution.md", "meta_learning.md",
+    "physics_informed.md", "distributed.md",
+)
+AFTER = ("recipes.md", "extending.md", "faults.md", "api/", "changelog.md")
+
+
+def nav_rank(src_uri):
+    """Sort key of a navigation entry: its page's file (`api/` for the API section)."""
+    if src_uri in BEFORE:
+        return (0, BEFORE.index(src_uri), "")
+    if src_uri in CAPABILITIES:
+        return (1, CAPABILITIES.index(src_uri), "")
+    for i, name in enumerate(AFTER):
+        if src_uri == name or (name.endswith("/") and src_uri.startswith(name)):
+            return (3, i, "")
+    return (2, 0, src_uri)  # an unlisted page: a capability, by file name
+
+
+def _entry_uri(item):
+    if item.is_page:
+        return item.file.src_uri
+    if item.is_section:
+        pages = [child for child in item.children if child.is_page]
+        if pages:
+            return pages[0].file.src_uri
+    return ""
+
+
+def _pages(items):
+    for item in items:
+        if item.is_page:
+            yield item
+        elif item.is_section:
+            yield from _pages(item.children)
+
+
 def on_nav(nav, config, files):
     for item in nav.items:
         if item.is_section and item.title.lower() == "api":
             item.title = "API reference"
+    nav.items.sort(key=lambda item: nav_rank(_entry_uri(item)))
+    # Previous/next links follow the new order.
+    nav.pages = list(_pages(nav.items))
+    for i, page in enumerate(nav.pages):
+        page.previous_page = nav.pages[i - 1] if i > 0 else None
+        page.next_page = nav.pages[i + 1] if i + 1 < len(nav.pages) else None
     return nav
 
 

@@ -43,6 +43,7 @@ def test_site_builds_in_strict_mode_with_every_page_and_symbol(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     site = tmp_path / "site"
     check_every_docs_page_is_built_and_in_the_navigation(site)
+    check_navigation_is_in_reading_order(site)
     check_readme_is_the_home_page(site)
     check_api_reference_names_every_public_symbol(site)
     check_fence_options_are_not_rendered(site)
@@ -57,6 +58,27 @@ def check_every_docs_page_is_built_and_in_the_navigation(site):
         assert (site / html_name).exists(), html_name
         assert f'href="{html_name}"' in home, f"{html_name} is not in the navigation"
     assert 'href="api/index.html"' in home
+
+
+def check_navigation_is_in_reading_order(site):
+    # Home, Getting started, Concepts, the capabilities (any unlisted page after
+    # them), Recipes, Extending, Faults, the API reference, the Changelog last;
+    # previous/next links follow the same order.
+    hooks = load_docs_module("hooks")
+    home = (site / "index.html").read_text("utf-8")
+    links = []
+    for href in re.findall(r'<a href="([^"#]+)" class="md-nav__link', home):
+        if href not in links:
+            links.append(href)
+    names = [link.replace(".html", ".md") for link in links]
+    assert names[:3] == ["index.md", "getting_started.md", "concepts.md"], names
+    assert names[-1] == "changelog.md", names
+    assert names == sorted(names, key=hooks.nav_rank), names
+    for page in (REPO / "docs").glob("*.md"):
+        assert page.name in names, page.name
+    concepts = (site / "concepts.html").read_text("utf-8")
+    assert '<link rel="prev" href="getting_started.html"' in concepts
+    assert '<link rel="next" href="upgrade.html"' in concepts
 
 
 def check_readme_is_the_home_page(site):
