@@ -121,7 +121,7 @@ def run_block(block, directory, namespace=None):
 def _run_in_new_process(block, directory):
     """Runs a block that creates a tf.distribute strategy in its own process.
 
-    TensorFlow allows one MirroredStrategy per process (README, Known
+    TensorFlow allows one MirroredStrategy per process (docs/concepts.md, Known
     limitations), and the test processes already hold the suite's one.
     """
     import subprocess

@@ -1,4 +1,4 @@
-"""Overriding one hook of the step (the README's example) works without compiled options."""
+"""Overriding one hook of the step (docs/concepts.md's example) works without compiled options."""
 
 import keras
 import numpy as np
@@ -23,7 +23,7 @@ class Plain(kt.TapeOpsMixin, keras.Model):
 
 
 class HalvedGradients(Plain):
-    """The README example: halves every gradient after the compiled transforms."""
+    """The docs/concepts.md example: halves every gradient after the compiled transforms."""
 
     def transform_gradients(self, grads, variables):
         grads = super().transform_gradients(grads, variables)

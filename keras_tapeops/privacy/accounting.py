@@ -118,8 +118,9 @@ def noise_multiplier_for(
         accountant: `"pld"` or `"rdp"`, as in `epsilon`.
 
     Returns:
-        sigma (a float): `epsilon(steps, sampling_rate, sigma, delta) <=
-        target_epsilon`, within `dp_accounting`'s calibration tolerance.
+        float: the noise multiplier sigma, with `epsilon(steps, sampling_rate,
+            sigma, delta) <= target_epsilon` within `dp_accounting`'s
+            calibration tolerance.
 
     Example:
     ```python
