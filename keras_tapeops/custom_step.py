@@ -67,8 +67,15 @@ class CustomStepMethods:
 
         Example:
         ```python
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.apply_gradients_with_options(grads, batch_size=tf.shape(x)[0])
+        class Net(kt.TapeOpsMixin, keras.Model):
+            def train_step(self, data):
+                x, y = data
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    loss = self.compute_loss(y=y, y_pred=y_pred)
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.apply_gradients_with_options(grads, batch_size=tf.shape(x)[0])
+                return self.compute_metrics(x, y, y_pred)
         ```
         """
         step_watch.mark_step_ran(self)

@@ -90,6 +90,13 @@ class ClippingRule:
 
     Example:
     ```python
+    class Scale(keras.layers.Layer):              # y = x * w
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * self.w
+
     @kt.privacy.register_clipping_rule
     class ScaleRule(kt.privacy.ClippingRule):
         family = "Scale"
@@ -157,7 +164,21 @@ def register_clipping_rule(rule):
 
     Example:
     ```python
-    kt.privacy.register_clipping_rule(ScaleRule)
+    class Doubled(keras.layers.Dense):            # a layer of your own
+        pass
+
+    class DoubledRule(kt.privacy.ClippingRule):
+        family = "Doubled"
+
+        @staticmethod
+        def applies(layer):
+            return isinstance(layer, Doubled)
+
+        @staticmethod
+        def clip(site, records, grads, context):
+            raise NotImplementedError  # see kt.privacy.ClippingRule
+
+    kt.privacy.register_clipping_rule(DoubledRule)   # tried before the built-in rules
     ```
     """
     missing = [name for name in ("applies", "forward", "clip")
