@@ -234,3 +234,18 @@ def test_conv_model_with_a_one_task_meta_batch_equals_the_oracle():
     one = tuple(a[:1] for a in data)
     np.testing.assert_allclose(meta.predict(one[:3], batch_size=1, verbose=0), expected[:1],
                                atol=ATOL)
+
+
+def test_conv_model_under_mirrored_with_one_and_no_task_per_replica(mirrored):
+    # 5 tasks in meta-batches of 4: replicas get 2 + 2 tasks, then 1 + 0.
+    data = image_tasks(5)
+    oracle = HandConvMAML(make_conv().get_weights(), INNER_LR, steps=1, outer_lr=0.05)
+    expected_loss = oracle.fit(data, batch_size=4)
+    with mirrored.scope():
+        meta = kt.MetaLearner(make_conv(), inner_learning_rate=INNER_LR, inner_steps=1)
+        meta.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = meta.fit(data[:3], data[3], batch_size=4, shuffle=False, verbose=0)
+    assert max_difference(meta.model.get_weights(), oracle.weights()) < ATOL
+    np.testing.assert_allclose(history.history["loss"], [expected_loss], rtol=1e-6)
+    np.testing.assert_allclose(meta.predict(data[:3], batch_size=4, verbose=0),
+                               oracle.predict(data), atol=ATOL)
