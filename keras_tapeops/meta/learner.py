@@ -196,12 +196,19 @@ class MetaLearner(keras.Model):
             )
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
         self._task_loss = task_loss
+        # Built now, in the one order of `outer_variables()`: otherwise the
+        # first to build it decides, and under a strategy that is Keras's
+        # symbolic build in fit/evaluate/predict, from `trainable_variables`
+        # (the learner's rates first). The saved optimizer state is a list in
+        # build order, so a learner saved under a strategy and loaded (where
+        # `compile_from_config` builds it) put each slot on another variable.
+        self.build_optimizer()
 
     def compile_from_config(self, config):
         config = keras.saving.deserialize_keras_object(config)
+        # `compile()` creates the optimizer variables, so the saved states
+        # load into them.
         self.compile(**config)
-        # Create the optimizer variables so the saved states load into them.
-        self.build_optimizer()
 
     def make_train_function(self, force=False):
         self.build_optimizer()
@@ -214,9 +221,11 @@ class MetaLearner(keras.Model):
     def build_optimizer(self):
         """Creates the optimizer's variables for `outer_variables()` (in the strategy scope).
 
-        Always in that order (the order of its saved state), and before the
+        Always in that order (the order of its saved state: weights, then
+        rates, with or without a strategy), at `compile()` and before the
         first step: variables created lazily inside a replicated step would
-        break `tf.distribute`.
+        break `tf.distribute`. An optimizer passed to `compile()` already
+        built keeps the order it was built with.
         """
         with self.distribute_strategy.scope():
             if not self.optimizer.built:

@@ -177,30 +177,32 @@ def map_tasks(fn, elements):
     Returns:
         `fn`'s outputs stacked along a new first (task) axis.
 
-    Under `tf.distribute` a replica may get no task (the last meta-batch of
-    an epoch split over replicas); the vectorized graph cannot run on an
-    empty batch, so it then runs on one all-zero task and returns empty
-    outputs (which contribute nothing to the losses or the gradients).
+    `tf.vectorized_map` cannot run on fewer than two tasks: with none the
+    vectorized graph has nothing to run on (a replica given no task of the
+    last meta-batch), and with one some of its converters mistake the task
+    axis for an axis of size one (`tf.squeeze` without an axis, which Keras's
+    bias add of a Conv layer uses, drops it: "Incompatible shapes"). Such a
+    meta-batch runs as two tasks, the one task twice (or two all-zero tasks
+    when there is none), and only the real tasks' outputs are returned: the
+    copies contribute nothing to the losses or the gradients.
 
     Example:
     ```python
     losses = map_tasks(lambda t: tf.reduce_sum(t[0]), (support_x,))
     ```
     """
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return tf.vectorized_map(fn, elements, fallback_to_while_loop=True)
     count = tf.shape(tf.nest.flatten(elements)[0])[0]
-    padded = tf.nest.map_structure(lambda t: _one_zero_task_if_empty(t, count), elements)
+    padded = tf.nest.map_structure(lambda t: _at_least_two_tasks(t, count), elements)
     outputs = tf.vectorized_map(fn, padded, fallback_to_while_loop=True)
     return tf.nest.map_structure(lambda t: t[:count], outputs)
 
 
-def _one_zero_task_if_empty(tensor, count):
-    def zero_task():
-        shape = tf.concat([[1], tf.shape(tensor)[1:]], 0)
-        return tf.zeros(shape, tensor.dtype)
-    return tf.cond(count > 0, lambda: tensor, zero_task)
+def _at_least_two_tasks(tensor, count):
+    """`tensor` itself with two tasks or more; else its one task twice, or two zero tasks."""
+    def padded():
+        zeros = tf.zeros(tf.concat([[2], tf.shape(tensor)[1:]], 0), tensor.dtype)
+        return tf.concat([tensor, tensor, zeros], 0)[:2]
+    return tf.cond(count >= 2, lambda: tensor, padded)
 
 
 def global_count(local_count):
