@@ -243,9 +243,6 @@ for _case in CASES:
         reason = "per-example faults of a batch of tasks or of unlabelled samples"
         EXPECTED.setdefault(_case.name, {}).update(
             {"nan_example": ("n/a", reason), "zero_weight": ("n/a", reason)})
-for _name in ("maml", "meta_sgd"):
-    EXPECTED[_name]["empty_batch"] = ("xfail: an empty meta-batch crashes in the "
-                                      "vectorized inner loop", "defect")
 
 
 def expected(case, condition, default):

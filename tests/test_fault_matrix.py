@@ -172,8 +172,11 @@ def check_mixed_overflow(case, outcome, cell, **_):
     optimizers = [v for v in vars(model).values()
                   if isinstance(v, keras.optimizers.LossScaleOptimizer)]
     assert optimizers, f"{cell}: no LossScaleOptimizer under mixed_float16"
-    for optimizer in optimizers:
-        optimizer.initial_scale = 1e38  # every scaled gradient overflows float16
+    for optimizer in optimizers:  # every scaled gradient overflows float16
+        if optimizer.built:  # e.g. MetaLearner builds its optimizer at compile()
+            optimizer.dynamic_scale.assign(1e38)
+        else:
+            optimizer.initial_scale = 1e38
     x, y = case.data(8)
     before = None
 
