@@ -87,6 +87,31 @@ def _single(name, **options):
     return Case(name, build, _classification_data)
 
 
+def _single_with_optimizer(name, make_optimizer, **options):
+    """A row whose optimizer is built from the model (per-group optimizers)."""
+
+    def build(**extra):
+        keras.utils.set_random_seed(7)
+        model = kt.upgrade(_mlp())
+        model.compile(
+            optimizer=make_optimizer(model),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **options, **extra,
+        )
+        return model
+
+    return Case(name, build, _classification_data)
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+def advection(x, u, du, d2u):
+    """A made-up residual on the first logit: u_0 + d u_0 / d x_1 + 0.1 d2 u_0 / d x_0^2."""
+    return u[:, 0] + du[:, 0, 1] + 0.1 * d2u[:, 0, 0]
+
+
+COLLOCATION = np.random.default_rng(3).normal(size=(6, FEATURES)).astype("float32")
+
+
 def _tasks(name, balancing):
     def build(**extra):
         keras.utils.set_random_seed(7)
@@ -174,6 +199,15 @@ CASES = [
         kt.AdversarialLoss(kt.attacks.FGSM(0.1, random_start=False), weight=0.5)]),
     _single("adversarial_training", adversarial_training=kt.attacks.PGD(
         0.1, 0.05, steps=2, random_start=False)),
+    _single("observability", gradient_transforms=[kt.LogGradientNorm(), kt.LogUpdateRatio()]),
+    _single("trades", loss_terms=[
+        kt.TRADES(kt.attacks.PGD(0.1, 0.05, steps=2, seed=1), beta=1.0)]),
+    _single("physics", loss_terms=[
+        kt.PDEResidual(advection, kt.physics.FixedPoints(COLLOCATION), weight=0.1)]),
+    _single_with_optimizer("optimizer_groups", lambda model: kt.optimizer_groups(
+        model, [("head", keras.optimizers.SGD(0.05))], default=keras.optimizers.SGD(0.1))),
+    _single_with_optimizer("layerwise_lr_decay", lambda model: kt.layerwise_lr_decay(
+        model, keras.optimizers.SGD(0.1), 0.5, ["head", "hidden"])),
     _single("micro_batches", micro_batches=2),
     _single("accumulation", accumulation_steps=2),
     _single("sam", sharpness_aware=kt.SAM(0.05)),
@@ -193,6 +227,7 @@ CASES = [
     _tasks("uncertainty", lambda: kt.UncertaintyWeighting()),
     _tasks("dwa", lambda: kt.DWA()),
     _tasks("famo", lambda: kt.FAMO()),
+    _tasks("measure_conflict", lambda: kt.MeasureConflict()),
     _meta("maml"),
     _meta("meta_sgd", learn_inner_learning_rate=True),
     _wgangp(),
@@ -217,6 +252,8 @@ _UNWEIGHTED_TERM = ("runs", "the term averages over every example, label or not,
 EXPECTED = {
     "skip_non_finite": {"nan_example": ("finite", "the step with a NaN gradient is skipped")},
     "loss_terms": {"zero_weight": _UNWEIGHTED_TERM},
+    "physics": {"zero_weight": ("runs", "the residual is evaluated at collocation points, "
+                                        "not at the batch's examples")},
     "gradient_penalty": {"zero_weight": _UNWEIGHTED_TERM},
     "dp_sgd": {
         "nan_example": ("finite", "a non-finite example contributes zero"),
