@@ -192,7 +192,7 @@ INNER_LR, OUTER_LR, BATCH, STEPS = 0.02, 0.05, 2, 4   # K = 5: batches of 2, 2, 
 
 
 def support_batch(x, y, step):
-    count = -(-len(x) // BATCH)
+    count = -(-x.shape[0] // BATCH)
     j = step % count
     return x[j * BATCH:(j + 1) * BATCH], y[j * BATCH:(j + 1) * BATCH]
 

@@ -15,6 +15,8 @@ weights.
 """
 
 import warnings
+from typing import Any
+from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -27,6 +29,7 @@ from keras_tapeops.meta import inner_loop
 from keras_tapeops.meta import rates as rates_lib
 from keras_tapeops.meta import tasks as tasks_lib
 from keras_tapeops.meta.config import MetaConfig
+from keras_tapeops.meta.inner_optimizer import InnerSGD
 from keras_tapeops.meta.task_loss import TaskLoss
 from keras_tapeops.registration import register
 
@@ -119,18 +122,18 @@ class MetaLearner(keras.Model):
 
     def __init__(
         self,
-        model,
-        inner_learning_rate=0.01,
-        inner_steps=1,
-        first_order=False,
-        algorithm="maml",
-        adapt=None,
-        learn_inner_learning_rate=False,
-        inner_batch_size=None,
-        inner_optimizer=None,
-        inner_training=True,
-        inner_loss_reduction="mean",
-        **kwargs,
+        model: keras.Model,
+        inner_learning_rate: float = 0.01,
+        inner_steps: int = 1,
+        first_order: bool = False,
+        algorithm: str = "maml",
+        adapt: selectors.Selector = None,
+        learn_inner_learning_rate: bool = False,
+        inner_batch_size: Optional[int] = None,
+        inner_optimizer: Optional[InnerSGD] = None,
+        inner_training: bool = True,
+        inner_loss_reduction: str = "mean",
+        **kwargs: Any,
     ):
         _check_model(model)
         if isinstance(adapt, keras.layers.Layer):
@@ -155,7 +158,7 @@ class MetaLearner(keras.Model):
         self.model = model
         self._meta_config = config
         self._task_loss = None
-        learned = []
+        learned: list = []
         if config.learn_inner_learning_rate:
             learned = rates_lib.create_learned_rates(
                 self, adapted, config.inner_learning_rate
