@@ -9,8 +9,10 @@ are adapted, the Meta-SGD rate variables) is the learner's own state.
 from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.meta import inner_optimizer as inner_optimizer_lib
 
 ALGORITHMS = ("maml", "reptile")
+REDUCTIONS = ("mean", "sum")
 
 
 class MetaConfig(ConfigRepr):
@@ -30,6 +32,17 @@ class MetaConfig(ConfigRepr):
             variable. MAML only.
         learn_inner_learning_rate: bool, Meta-SGD: one learned inner rate per
             adapted parameter. MAML only.
+        inner_batch_size: None (every inner step on the whole support set)
+            or an int >= 1: the support set is cut in order into mini-batches
+            of that size and inner step `s` takes mini-batch
+            `s mod ceil(K / inner_batch_size)`.
+        inner_optimizer: None (plain SGD) or an `InnerSGD` (momentum,
+            Nesterov); the step size stays `inner_learning_rate`.
+        inner_training: bool, the `training` flag of the inner loop's forward
+            passes in `fit` (False: BatchNormalization normalizes with its
+            moving statistics, as a model called without `training`).
+        inner_loss_reduction: `"mean"` (the compiled loss) or `"sum"` (the
+            per-example loss values summed over the mini-batch).
 
     Returns:
         The configuration object.
@@ -48,6 +61,10 @@ class MetaConfig(ConfigRepr):
         algorithm="maml",
         adapt=None,
         learn_inner_learning_rate=False,
+        inner_batch_size=None,
+        inner_optimizer=None,
+        inner_training=True,
+        inner_loss_reduction="mean",
     ):
         self.inner_learning_rate = validation.positive_number(
             inner_learning_rate, "inner_learning_rate"
@@ -58,6 +75,15 @@ class MetaConfig(ConfigRepr):
         self.adapt = selectors.validate_selector(adapt)
         self.learn_inner_learning_rate = validation.boolean(
             learn_inner_learning_rate, "learn_inner_learning_rate"
+        )
+        self.inner_batch_size = (
+            None if inner_batch_size is None
+            else validation.positive_int(inner_batch_size, "inner_batch_size")
+        )
+        self.inner_optimizer = inner_optimizer_lib.resolve(inner_optimizer)
+        self.inner_training = validation.boolean(inner_training, "inner_training")
+        self.inner_loss_reduction = validation.choice(
+            inner_loss_reduction, "inner_loss_reduction", REDUCTIONS
         )
         if self.algorithm == "reptile":
             _refuse_with_reptile("adapt", self.adapt, self.adapt is not None,
@@ -80,6 +106,10 @@ class MetaConfig(ConfigRepr):
             "algorithm": self.algorithm,
             "adapt": selectors.serialize_selector(self.adapt),
             "learn_inner_learning_rate": self.learn_inner_learning_rate,
+            "inner_batch_size": self.inner_batch_size,
+            "inner_optimizer": inner_optimizer_lib.serialize(self.inner_optimizer),
+            "inner_training": self.inner_training,
+            "inner_loss_reduction": self.inner_loss_reduction,
         }
 
     @classmethod

@@ -3,9 +3,11 @@
 A Keras model that wraps the model being meta-learned (as `kt.WGANGP` wraps
 its generator and critic) and trains that model's own variables. Each step
 takes a meta-batch of tasks, `x = (support_x, support_y, query_x)`,
-`y = query_y` (task axis first); per task it runs `inner_steps` of plain SGD
-on the compiled loss over the support set with functional weights (the
-model's variables are never written by the inner loop), then evaluates the
+`y = query_y` (task axis first); per task it runs `inner_steps` of SGD
+(plain by default; mini-batches, momentum, the forward's `training` flag and
+the loss reduction are options) on the compiled loss over the support set
+with functional weights (the model's variables are never written by the
+inner loop), then evaluates the
 compiled loss on the query set at the adapted weights. The outer loss is the
 mean over tasks of those query losses; it is what `fit` logs as `loss`, and
 the compiled metrics are computed on the query predictions at the adapted
@@ -13,6 +15,8 @@ weights.
 """
 
 import warnings
+from typing import Any
+from typing import Optional
 
 import keras
 import tensorflow as tf
@@ -25,6 +29,7 @@ from keras_tapeops.meta import inner_loop
 from keras_tapeops.meta import rates as rates_lib
 from keras_tapeops.meta import tasks as tasks_lib
 from keras_tapeops.meta.config import MetaConfig
+from keras_tapeops.meta.inner_optimizer import InnerSGD
 from keras_tapeops.meta.task_loss import TaskLoss
 from keras_tapeops.registration import register
 
@@ -35,7 +40,13 @@ class MetaLearner(keras.Model):
 
     Per task of a meta-batch: `inner_steps` of SGD on the support set
     (`w' = w - inner_learning_rate * grad`, the compiled loss plus the
-    model's regularization losses), then the query loss at `w'`.
+    model's regularization losses), then the query loss at `w'`. The inner
+    loop's options (all algorithms): `inner_batch_size` (mini-batches of the
+    support set), `inner_optimizer` (`kt.meta.InnerSGD(momentum=...)`),
+    `inner_training` (the inner forward's `training` flag in `fit`) and
+    `inner_loss_reduction` (`"sum"`: the per-example losses summed, as
+    keras.io's Reptile differentiates them); docs/meta_learning.md's
+    "Reptile, as keras.io writes it" maps that example onto them.
 
     - `algorithm="maml"` (Finn et al. 2017): the outer loss is the mean
       query loss over tasks, differentiated through the inner updates
@@ -53,8 +64,9 @@ class MetaLearner(keras.Model):
       `inner_learning_rate`, trained with the weights and saved with the
       learner.
 
-    Forward passes use `training=True` in `fit` and `training=False` in
-    `evaluate`, `predict` and `adapt`. Non-trainable variables
+    Forward passes use `training=True` in `fit` (the inner ones
+    `inner_training`) and `training=False` in `evaluate`, `predict` and
+    `adapt`. Non-trainable variables
     (BatchNormalization statistics, seed states) are read, never updated.
     Calling the learner on `(support_x, support_y, query_x)` returns the query
     predictions at the adapted weights (task axis first); `predict` does
@@ -71,6 +83,24 @@ class MetaLearner(keras.Model):
         adapt: None (adapt every trainable variable) or a selector of the
             variables to adapt (ANIL). MAML only.
         learn_inner_learning_rate: bool, Meta-SGD. MAML only.
+        inner_batch_size: None (default: every inner step on the whole
+            support set) or an int >= 1: the support set of K examples is cut
+            in order into `ceil(K / inner_batch_size)` mini-batches (the last
+            one smaller if the size does not divide K) and inner step `s`
+            takes mini-batch `s mod ceil(K / inner_batch_size)`; so
+            `inner_steps = r * ceil(K / inner_batch_size)` makes `r` passes.
+        inner_optimizer: None (default: plain SGD) or
+            `kt.meta.InnerSGD(momentum=0.0, nesterov=False)`, Keras's SGD
+            formulas with a velocity that starts at zero for every task. The
+            step size is `inner_learning_rate` (or Meta-SGD's learned rates).
+        inner_training: bool (default True), the `training` flag of the inner
+            loop's forward passes in `fit`. False is what calling a model
+            without `training` does (BatchNormalization uses its moving
+            statistics). `evaluate`, `predict` and `adapt` always use False.
+        inner_loss_reduction: `"mean"` (default: the compiled loss) or
+            `"sum"`: the per-example values of the compiled loss summed over
+            the mini-batch (the regularization losses added once). The query
+            loss stays the compiled loss.
         **kwargs: `name` and other base `keras.Model` arguments.
 
     Returns:
@@ -92,14 +122,18 @@ class MetaLearner(keras.Model):
 
     def __init__(
         self,
-        model,
-        inner_learning_rate=0.01,
-        inner_steps=1,
-        first_order=False,
-        algorithm="maml",
-        adapt=None,
-        learn_inner_learning_rate=False,
-        **kwargs,
+        model: keras.Model,
+        inner_learning_rate: float = 0.01,
+        inner_steps: int = 1,
+        first_order: bool = False,
+        algorithm: str = "maml",
+        adapt: selectors.Selector = None,
+        learn_inner_learning_rate: bool = False,
+        inner_batch_size: Optional[int] = None,
+        inner_optimizer: Optional[InnerSGD] = None,
+        inner_training: bool = True,
+        inner_loss_reduction: str = "mean",
+        **kwargs: Any,
     ):
         _check_model(model)
         if isinstance(adapt, keras.layers.Layer):
@@ -113,6 +147,10 @@ class MetaLearner(keras.Model):
             algorithm=algorithm,
             adapt=adapt,
             learn_inner_learning_rate=learn_inner_learning_rate,
+            inner_batch_size=inner_batch_size,
+            inner_optimizer=inner_optimizer,
+            inner_training=inner_training,
+            inner_loss_reduction=inner_loss_reduction,
         )
         adapted = _adapted_variables(model, config.adapt)
         _warn_if_random_layers(model)
@@ -120,7 +158,7 @@ class MetaLearner(keras.Model):
         self.model = model
         self._meta_config = config
         self._task_loss = None
-        learned = []
+        learned: list = []
         if config.learn_inner_learning_rate:
             learned = rates_lib.create_learned_rates(
                 self, adapted, config.inner_learning_rate
@@ -159,6 +197,26 @@ class MetaLearner(keras.Model):
     @property
     def learn_inner_learning_rate(self):
         return self._meta_config.learn_inner_learning_rate
+
+    @property
+    def inner_batch_size(self):
+        """None (whole support set) or the inner mini-batch size."""
+        return self._meta_config.inner_batch_size
+
+    @property
+    def inner_optimizer(self):
+        """None (plain SGD) or the `kt.meta.InnerSGD` of the inner loop."""
+        return self._meta_config.inner_optimizer
+
+    @property
+    def inner_training(self):
+        """The `training` flag of the inner forward passes in `fit`."""
+        return self._meta_config.inner_training
+
+    @property
+    def inner_loss_reduction(self):
+        """`"mean"` or `"sum"`: how a support mini-batch's losses are reduced."""
+        return self._meta_config.inner_loss_reduction
 
     @property
     def learned_rates(self):
@@ -300,6 +358,7 @@ class MetaLearner(keras.Model):
             also the list of per-task differences `(tasks, *variable.shape)`.
         """
         loss = self._functional_loss(training)
+        inner_loss = self._inner_loss(training)
         weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
         adapted, rates = self._adapted_indices_and_rates()
         steps = self.inner_steps if steps is None else steps
@@ -308,8 +367,8 @@ class MetaLearner(keras.Model):
 
         def one_task(task):
             support_x, support_y, query_x = task[:3]
-            new = inner_loop.sgd_steps(
-                loss, weights, support_x, support_y, adapted, rates, steps,
+            new = self._inner_loop(
+                inner_loss, weights, support_x, support_y, adapted, rates, steps,
                 first_order,
             )
             if not with_targets:
@@ -398,21 +457,37 @@ class MetaLearner(keras.Model):
         support_x = tf.nest.map_structure(tf.convert_to_tensor, support_x)
         support_y = tf.nest.map_structure(tf.convert_to_tensor, support_y)
         tasks_lib.check_support(support_x, support_y)
-        loss = self._functional_loss(training=False)
+        loss = self._inner_loss(training=False)
         weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
         adapted, rates = self._adapted_indices_and_rates()
-        return inner_loop.sgd_steps(
+        return self._inner_loop(
             loss, weights, support_x, support_y, adapted, rates, steps,
             first_order=True,
         )
 
     # ----------------------------------------------------------- helpers
-    def _functional_loss(self, training):
+    def _functional_loss(self, training, loss_fn=None):
         self._require_compiled("the step")
         non_trainable = [
             tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables
         ]
-        return inner_loop.FunctionalLoss(self.model, self._task_loss, non_trainable, training)
+        return inner_loop.FunctionalLoss(
+            self.model, loss_fn or self._task_loss, non_trainable, training
+        )
+
+    def _inner_loss(self, training):
+        """The support loss: `inner_training` in `fit`, `inner_loss_reduction`."""
+        self._require_compiled("the step")
+        loss_fn = (
+            self._task_loss.summed if self.inner_loss_reduction == "sum" else None
+        )
+        return self._functional_loss(training and self.inner_training, loss_fn)
+
+    def _inner_loop(self, loss, weights, x, y, adapted, rates, steps, first_order):
+        return inner_loop.sgd_steps(
+            loss, weights, x, y, adapted, rates, steps, first_order,
+            batch_size=self.inner_batch_size, optimizer=self.inner_optimizer,
+        )
 
     def _adapted_indices_and_rates(self):
         variables = self.model.trainable_variables
@@ -447,8 +522,10 @@ class MetaLearner(keras.Model):
     def from_config(cls, config):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"))
+        # A file saved before an option existed has no entry for it: the
+        # option's default (the behaviour it was saved with) applies.
         options = MetaConfig.from_config(
-            {key: config.pop(key) for key in MetaConfig().get_config()}
+            {key: config.pop(key) for key in MetaConfig().get_config() if key in config}
         )
         return cls(model, **vars(options), **config)
 

@@ -60,12 +60,7 @@ class TaskLoss:
         self.loss = _FunctionLoss(resolved) if self.function is not None else resolved
 
     def __call__(self, y_true, y_pred):
-        if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y_true):
-            raise ValueError(
-                "MetaLearner supports models with one output (one tensor of "
-                "predictions and one of targets). Received: y_pred="
-                f"{_structure(y_pred)}, y_true={_structure(y_true)}"
-            )
+        self._check_single(y_true, y_pred)
         if self.function is not None and getattr(y_pred, "_keras_mask", None) is None:
             y_pred = tf.cast(y_pred, "float32")
             return tf.reduce_mean(self.function(tf.cast(y_true, "float32"), y_pred))
@@ -73,6 +68,37 @@ class TaskLoss:
         if getattr(self.loss, "reduction", None) in _SCALED_REDUCTIONS:
             value = replicas.unscale_for_distribution(value)
         return tf.cast(value, "float32")
+
+    def summed(self, y_true, y_pred):
+        """The sum of the per-example loss values (`inner_loss_reduction="sum"`).
+
+        What `tape.gradient` differentiates when given the vector
+        `keras.losses.sparse_categorical_crossentropy(y, y_pred)` (the
+        keras.io Reptile step): the loss function's values summed over the
+        mini-batch (and over any other axis it leaves), float32. A
+        `keras.losses.Loss` contributes its unreduced values (`loss.call`),
+        masked by the predictions' Keras mask if they have one; it is never
+        replica-scaled.
+        """
+        self._check_single(y_true, y_pred)
+        y_true_32, y_pred_32 = tf.cast(y_true, "float32"), tf.cast(y_pred, "float32")
+        if self.function is not None:
+            values = self.function(y_true_32, y_pred_32)
+        else:
+            values = self.loss.call(y_true_32, y_pred_32)
+        values = tf.cast(values, "float32")
+        mask = getattr(y_pred, "_keras_mask", None)
+        if mask is not None:
+            values = values * tf.cast(mask, "float32")
+        return tf.reduce_sum(values)
+
+    def _check_single(self, y_true, y_pred):
+        if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y_true):
+            raise ValueError(
+                "MetaLearner supports models with one output (one tensor of "
+                "predictions and one of targets). Received: y_pred="
+                f"{_structure(y_pred)}, y_true={_structure(y_true)}"
+            )
 
 
 class _FunctionLoss(keras.losses.Loss):
