@@ -84,6 +84,28 @@ class MultiGradientOption(ConfigRepr):
         return cls(**config)
 
 
+def require_override(option, kind, method, default, does, argument):
+    """Refuses (at `compile()`) a user subclass that leaves `method` unimplemented.
+
+    Args:
+        option: the option being bound (an instance of a user subclass).
+        kind: the public base's name, e.g. `"Aggregator"`.
+        method: the method's signature as shown, e.g. `"weights(gramian, context)"`.
+        default: the base's unimplemented function the subclass must replace.
+        does: what the method returns, for the message.
+        argument: the compile argument the option was passed as.
+
+    Raises:
+        TypeError: naming the class, the method and the compile argument.
+    """
+    name = method.split("(")[0]
+    if getattr(type(option), name, None) is default:
+        raise TypeError(
+            f"{type(option).__name__} is a {kind} but does not implement "
+            f"`{method}`, which {does}. Received: {argument}={option!r}"
+        )
+
+
 class MultiGradientState:
     """What one model resolved from a `MultiGradientOption` (its gradient engine).
 

@@ -14,6 +14,7 @@ and implements `weights(gramian, context) -> [K]` (see `docs/extending.md`).
 import tensorflow as tf
 
 from keras_tapeops import rows as row_ops
+from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 
@@ -60,12 +61,9 @@ class Aggregator(TaskBalancing):
     kind = "rows"
 
     def bind(self, model, tree):
-        if type(self).weights is TaskBalancing.weights:
-            raise TypeError(
-                f"{type(self).__name__} is an Aggregator but does not implement "
-                "`weights(gramian, context)`, which returns the [K] weights of the "
-                f"task gradients. Received: task_balancing={self!r}"
-            )
+        require_override(self, "Aggregator", "weights(gramian, context)",
+                         TaskBalancing.weights, "returns the [K] weights of the task gradients",
+                         "task_balancing")
         return super().bind(model, tree)
 
     def aggregate(self, rows, context=None):

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from keras_tapeops import selectors
 from keras_tapeops.multi_gradient import MultiGradientOption
+from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.multitask import tasks as task_resolution
 from keras_tapeops.multitask.context import StepContext  # noqa: F401  (re-exported)
 from keras_tapeops.multitask.engine import TaskEngine
@@ -178,12 +179,9 @@ class LossWeighting(TaskBalancing):
         )
 
     def bind(self, model, tree):
-        if type(self).pass_weights is LossWeighting.pass_weights:
-            raise TypeError(
-                f"{type(self).__name__} is a LossWeighting but does not implement "
-                "`pass_weights(context)`, which returns the [K] multipliers of the "
-                f"task losses. Received: task_balancing={self!r}"
-            )
+        require_override(self, "LossWeighting", "pass_weights(context)",
+                         LossWeighting.pass_weights,
+                         "returns the [K] multipliers of the task losses", "task_balancing")
         return super().bind(model, tree)
 
 

@@ -38,6 +38,7 @@ from keras_tapeops import validation
 from keras_tapeops.replicas import batch_size
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multi_gradient import MultiGradientState
+from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.selection import batch as batches
 
@@ -252,12 +253,9 @@ class SelectionRule(SelectionOption):
         )
 
     def bind(self, model, tree):
-        if getattr(type(self), "select", None) is SelectionRule.select:
-            raise TypeError(
-                f"{type(self).__name__} is a SelectionRule but does not implement "
-                "`select(losses, context)`, which returns one weight per example "
-                f"(0 leaves it out). Received: sample_selection={self!r}"
-            )
+        require_override(self, "SelectionRule", "select(losses, context)",
+                         SelectionRule.select,
+                         "returns one weight per example (0 leaves it out)", "sample_selection")
         return SelectionRuleState(self)
 
 
