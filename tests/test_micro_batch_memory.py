@@ -2,7 +2,9 @@
 
 Measured with TensorFlow's allocator statistics (BFC allocator on the CPU, set
 before TensorFlow loads, hence a subprocess): the peak of one training step on a
-batch already in memory. Deterministic for a given graph; not a timing check.
+batch already in memory. One inter-op and one intra-op thread make the order
+of ops, and so the peak, the same on a busy machine (with the default pools
+CI measured 84% instead of 1%); not a timing check.
 """
 
 import json
