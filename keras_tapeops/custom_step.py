@@ -24,8 +24,17 @@ The options that decide how gradients are computed (`micro_batches`,
 building block refuses, naming it.
 """
 
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
 from keras_tapeops import step_watch
 from keras_tapeops.options import OPTIONS
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import ModelMixinBase
 
 # Options that change how the gradient is computed, not what is done with it.
 _NEEDS_THE_LIBRARYS_STEP = (
@@ -34,10 +43,13 @@ _NEEDS_THE_LIBRARYS_STEP = (
 )
 
 
-class CustomStepMethods:
+class CustomStepMethods(ModelMixinBase):
     """`apply_gradients_with_options`: the options' gradient pipeline for a custom step."""
 
-    def apply_gradients_with_options(self, grads, batch_size=None, variables=None):
+    def apply_gradients_with_options(
+        self, grads: Sequence[Gradient], batch_size: int | tf.Tensor | None = None,
+        variables: Sequence[keras.Variable] | None = None,
+    ) -> tf.Tensor | None:
         """Applies `grads` through the compiled gradient options, in a custom `train_step`.
 
         `grads` are what a stock custom step passes to `optimizer.apply`:

@@ -76,9 +76,11 @@ def layerwise_lr_decay(
         in `kt.callbacks.GroupLearningRateScheduler`.
 
     Raises:
-        TypeError / ValueError as `kt.optimizer_groups`, plus a bad `decay`,
-        `rest`, a base learning rate that is neither a number nor a
-        `LearningRateSchedule`, or a variable in two blocks.
+        TypeError: as `kt.optimizer_groups`, and for a `decay`, `layers` or
+            `rest` of the wrong type, or a base learning rate that is
+            neither a number nor a `LearningRateSchedule`.
+        ValueError: as `kt.optimizer_groups`, and for a `decay` or `rest`
+            outside (0, 1], an empty `layers`, or a variable in two blocks.
 
     Example:
     ```python

@@ -11,7 +11,14 @@ test_step:   unpack -> compute_total_loss (forward, loss + terms, track)
 With no keras_tapeops option every hook reduces to the stock Keras step.
 """
 
+from __future__ import annotations
+
 import warnings
+from typing import Any
+from typing import Callable
+from typing import ContextManager
+from typing import Sequence
+from typing import cast
 
 import keras
 import tensorflow as tf
@@ -37,7 +44,11 @@ from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.options import compile_signature
 from keras_tapeops.replicas import batch_size
 from keras_tapeops.state import ModelState
+from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
 from keras_tapeops.transforms.base import apply_in_order
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import Nested
 
 
 class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomStepMethods):
@@ -63,14 +74,14 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
     ```
     """
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # A base class's own train_step/test_step is kept, not replaced.
         step_watch.keep_own_steps(cls, TapeOpsMixin)
 
     # ------------------------------------------------------------------ compile
     @default_hook
-    def compile(self, *args, **kwargs):
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """Stock `compile()` plus the keras_tapeops options.
 
         The options are the rows of `keras_tapeops.options.OPTIONS` (this
@@ -122,16 +133,16 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         self._tapeops_state = state
 
     @property
-    def tapeops_options(self):
+    def tapeops_options(self) -> TapeOpsOptions | None:
         """The validated keras_tapeops options of the last `compile()` (or None)."""
         return getattr(self, "_tapeops", None)
 
     @property
-    def tapeops_state(self):
+    def tapeops_state(self) -> ModelState | None:
         """This model's `ModelState`: what it resolved from its options (or None)."""
         return getattr(self, "_tapeops_state", None)
 
-    def build_tapeops(self):
+    def build_tapeops(self) -> ModelState | None:
         """Binds this model's state to its variables once they exist; returns it.
 
         Called before the first step (`make_train_function`) and inside the
@@ -146,7 +157,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
 
     # -------------------------------------------------------------- the steps
     @default_hook
-    def train_step(self, data):
+    def train_step(self, data: Nested) -> dict[str, Any]:
         step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self.build_tapeops()
@@ -164,7 +175,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     @default_hook
-    def test_step(self, data):
+    def test_step(self, data: Nested) -> dict[str, Any]:
         step_watch.mark_step_ran(self)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.build_tapeops()
@@ -174,7 +185,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------ hooks
-    def compute_gradients(self, x, y, sample_weight):
+    def compute_gradients(
+        self, x: Nested, y: Nested, sample_weight: Nested
+    ) -> tuple[list[Gradient], Nested]:
         """Returns `(gradients, y_pred)` for one batch (split if `micro_batches`).
 
         Gradients are those of the optimizer-scaled loss, per replica, one per
@@ -194,11 +207,12 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         if options is not None and options.sharpness_aware is not None:
             return sam.sharpness_aware_gradients(
                 self, options.sharpness_aware,
-                lambda: self.build_tapeops().sam_selected, gradient_pass,
+                # Compiled with the mixin's compile, so the state exists.
+                lambda: cast(ModelState, self.build_tapeops()).sam_selected, gradient_pass,
             )
         return gradient_pass()
 
-    def tapeops_unlogged(self):
+    def tapeops_unlogged(self) -> ContextManager[None]:
         """Forward passes traced inside this block update no loss or term tracker.
 
         Used for SAM's second pass: the step logs the loss at the weights,
@@ -206,7 +220,10 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         """
         return self._flag_set("_tapeops_logging", False)
 
-    def batch_gradients(self, x, y, sample_weight, loss_multiplier=None):
+    def batch_gradients(
+        self, x: Nested, y: Nested, sample_weight: Nested,
+        loss_multiplier: tf.Tensor | float | None = None,
+    ) -> tuple[list[Gradient], Nested]:
         """One (micro-)batch's gradient pass: returns `(gradients, y_pred)`.
 
         With a multi-gradient option (`task_balancing`,
@@ -225,7 +242,10 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
             return engine.batch_gradients(self, x, y, sample_weight, loss_multiplier)
         return self.single_pass_gradients(x, y, sample_weight, loss_multiplier)
 
-    def single_pass_gradients(self, x, y, sample_weight, loss_multiplier=None):
+    def single_pass_gradients(
+        self, x: Nested, y: Nested, sample_weight: Nested,
+        loss_multiplier: tf.Tensor | float | None = None,
+    ) -> tuple[list[Gradient], Nested]:
         """One forward/backward pass of the total loss: `(gradients, y_pred)`.
 
         Args:
@@ -244,7 +264,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         grads = tape.gradient(loss, self.trainable_weights)
         return grads, y_pred
 
-    def compute_total_loss(self, x, y, sample_weight, training):
+    def compute_total_loss(
+        self, x: Nested, y: Nested, sample_weight: Nested, training: bool
+    ) -> tuple[tf.Tensor, Nested]:
         """Forward pass, `compute_loss` plus loss terms, and loss logging.
 
         Also a building block for a custom `train_step` (see
@@ -262,7 +284,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         )
 
     @default_hook
-    def compute_terms(self, terms, context):
+    def compute_terms(
+        self, terms: Sequence[tuple[Term, Any]], context: TermContext
+    ) -> list[tf.Tensor]:
         """Returns `weight * value` (float32 scalar) of each term, in order.
 
         Called on every step, also when no term is compiled (`terms` empty).
@@ -291,7 +315,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         step = self.optimizer.iterations if self.optimizer is not None else 0
         return forward.weighted_term_values(terms, context, step)
 
-    def update_weights(self, grads, n_samples):
+    def update_weights(
+        self, grads: Sequence[Gradient], n_samples: int | tf.Tensor
+    ) -> tf.Tensor | None:
         """Applies `grads` now, or adds them to the cross-batch window.
 
         Returns:
@@ -304,7 +330,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
             return None
         return self.apply_optimizer_step(grads, self.trainable_weights)
 
-    def apply_optimizer_step(self, grads, variables):
+    def apply_optimizer_step(
+        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
+    ) -> tf.Tensor | None:
         """Aggregates, transforms and applies `grads` with the optimizer.
 
         Without gradient transforms this is the stock `apply_gradients` call.
@@ -320,11 +348,13 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
             self.optimizer.apply_gradients(zip(grads, variables))
             return None
         bound = state.transforms if state is not None else []
-        transform = self.transform_gradients
+        transform: Callable[..., list[Gradient]] = self.transform_gradients
         if engine is not None:
-            def transform(true_grads, variables):
+            def finalize_then_transform(true_grads, variables):
                 finalized = engine.finalize(self, true_grads, variables)
                 return self.transform_gradients(finalized, variables)
+
+            transform = finalize_then_transform
         return true_gradients.apply_transformed(
             self.optimizer, grads, variables,
             transform=transform,
@@ -334,7 +364,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         )
 
     @default_hook
-    def aggregate_gradients(self, grads):
+    def aggregate_gradients(self, grads: Sequence[Gradient]) -> tuple[list[Gradient], bool]:
         """Sums `grads` over replicas once; returns `(grads, was_reduced)`.
 
         Runs when gradient transforms are compiled or a subclass overrides
@@ -349,7 +379,9 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         )
 
     @default_hook
-    def transform_gradients(self, grads, variables):
+    def transform_gradients(
+        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
+    ) -> list[Gradient]:
         """Applies the compiled gradient transforms in list order.
 
         Override in a subclass to change gradients without rewriting the step:

@@ -6,12 +6,18 @@ hidden where nothing updates them (an overriding step that does not reach
 the mixin's) and, while evaluating, where they are training-only.
 """
 
+from __future__ import annotations
+
 import contextlib
+from typing import Any
+
+import keras
 
 from keras_tapeops import step_watch
+from keras_tapeops.typing_aliases import ModelMixinBase
 
 
-class MetricsMethods:
+class MetricsMethods(ModelMixinBase):
     """The mixin's `metrics`, `get_metrics_result`, `evaluate` and plain flags."""
 
     _tapeops_evaluating = False  # True while evaluate()/test_on_batch() run
@@ -23,7 +29,7 @@ class MetricsMethods:
         return super().metrics
 
     @property
-    def metrics(self):
+    def metrics(self) -> list[keras.metrics.Metric]:
         """Stock metrics, then the term trackers and transform/engine metrics.
 
         The keras_tapeops metrics are left out where nothing updates them: in
@@ -42,7 +48,7 @@ class MetricsMethods:
         step = "test" if self._tapeops_evaluating else "train"
         return step not in state.replaced_steps
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict[str, Any]:
         """Stock metric results, without training-only terms while evaluating.
 
         A term compiled with `in_validation=False` is not computed by
@@ -61,11 +67,11 @@ class MetricsMethods:
                 results.pop(metric.name, None)
         return results
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluating():
             return super().evaluate(*args, **kwargs)
 
-    def test_on_batch(self, *args, **kwargs):
+    def test_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         with self._evaluating():
             return super().test_on_batch(*args, **kwargs)
 

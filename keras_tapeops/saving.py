@@ -4,12 +4,17 @@ The mixin's `get_compile_config`, `compile_from_config`, `save` and
 `load_own_variables` are thin: the work is here.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 
 from keras_tapeops._keras import private
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.typing_aliases import ModelMixinBase
 
 
 def compile_config(model, stock_config):
@@ -68,7 +73,7 @@ def load_own_variables(model, store, stock_load):
     stock_load(store)
 
 
-class SavingMethods:
+class SavingMethods(ModelMixinBase):
     """The mixin's saving methods (a base of `TapeOpsMixin`, before `keras.Model`).
 
     Saves the options with the compile config and the options' training
@@ -88,7 +93,7 @@ class SavingMethods:
         state = self.tapeops_state
         return state.saveable if state is not None else None
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Any) -> None:
         """Stock loading, also of files saved before issue 17.
 
         keras_tapeops up to then listed the options' training state among the
@@ -98,10 +103,10 @@ class SavingMethods:
         """
         load_own_variables(self, store, super().load_own_variables)
 
-    def get_compile_config(self):
+    def get_compile_config(self) -> dict[str, Any] | None:
         return compile_config(self, super().get_compile_config())
 
-    def save(self, filepath, *args, **kwargs):
+    def save(self, filepath: str, *args: Any, **kwargs: Any) -> None:
         """Stock `save()`, refusing an unsaveable configuration first.
 
         `get_compile_config` raises for an unregistered transform class or
@@ -112,7 +117,7 @@ class SavingMethods:
         self.get_compile_config()
         return super().save(filepath, *args, **kwargs)
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compiles a loaded model as it was saved, with its keras_tapeops options.
 
         As in stock Keras, a class whose `compile()` is its own (beyond the

@@ -7,17 +7,25 @@ step is watched (`keras_tapeops.step_watch`); `fit` adds the accumulation
 window's flush callback.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+
+import keras
+
 from keras_tapeops import accumulation
 from keras_tapeops import name_checks
 from keras_tapeops import step_watch
 from keras_tapeops._keras import private
 from keras_tapeops.hook_overrides import overrides
+from keras_tapeops.typing_aliases import ModelMixinBase
 
 
-class StepFunctionMethods:
+class StepFunctionMethods(ModelMixinBase):
     """`fit`, `make_train_function`/`make_test_function` and the name checks."""
 
-    def fit(self, *args, **kwargs):
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
 
         A window cut short by the end of an epoch is applied before
@@ -37,10 +45,10 @@ class StepFunctionMethods:
             self, iterator, data_batch, super()._maybe_symbolic_build
         )
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         return self._make_step_function("train", super().make_train_function, force)
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> Callable[..., Any]:
         return self._make_step_function("test", super().make_test_function, force)
 
     def _make_step_function(self, kind, stock_make, force):

@@ -84,17 +84,16 @@ def upgrade(model: keras.Model) -> keras.Model:
             the mixin is returned unchanged.
 
     Returns:
-        - for a plain Sequential or functional model: a new
-          `TapeOpsSequential` or `TapeOpsFunctional` with the same layers
-          (shared, not copied), weights, name, inputs and outputs; the
-          original model is left as it was and compile state is not carried
-          over (compile the returned model);
-        - for a subclass: the same object, re-classed in place to
-          `upgraded_class(type(model))`. It is still an instance of its
-          class, with `TapeOpsMixin` before Keras's classes in its MRO, and
-          keeps everything it had (attributes, preprocessor, overridden
-          hooks, compile and optimizer state). Compile it again to add
-          keras_tapeops options.
+        For a plain Sequential or functional model, a new
+        `TapeOpsSequential` or `TapeOpsFunctional` with the same layers
+        (shared, not copied), weights, name, inputs and outputs; the
+        original model is left as it was and compile state is not carried
+        over (compile the returned model). For a subclass, the same object,
+        re-classed in place to `upgraded_class(type(model))`: it is still an
+        instance of its class, with `TapeOpsMixin` before Keras's classes in
+        its MRO, and keeps everything it had (attributes, preprocessor,
+        overridden hooks, compile and optimizer state). Compile it again to
+        add keras_tapeops options.
 
     Raises:
         TypeError: for a truly subclassed model (its own `call()`), saying to

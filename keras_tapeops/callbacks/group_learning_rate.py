@@ -69,10 +69,12 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
         verbose: 0 (quiet) or 1 (print each change).
 
     Raises:
-        TypeError / ValueError at construction for a bad argument; at the
-        start of `fit` for a dict naming a group the optimizer lacks (the
-        message lists the groups), or a scheduled group whose rate is a
-        `LearningRateSchedule` (Keras cannot set it).
+        TypeError: at construction, for a `schedule` of the wrong type.
+        ValueError: at construction, for a bad argument; at the start of
+            `fit`, for a dict naming a group the optimizer lacks (the
+            message lists the groups) or a scheduled group whose rate is a
+            `LearningRateSchedule` (Keras cannot set it); during training,
+            for a schedule that does not return a number.
 
     Example:
     ```python
