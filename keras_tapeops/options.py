@@ -7,10 +7,13 @@ accumulator) is that model's own state: see `keras_tapeops.state`.
 import inspect
 from typing import Any
 from typing import Callable
+from typing import Optional
+from typing import Sequence
 
 import keras
 
 from keras_tapeops import validation
+from keras_tapeops.attacks.base import Attack
 from keras_tapeops.attacks.base import check_attack
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.multi_gradient import MULTI_GRADIENT_OPTIONS
@@ -43,16 +46,19 @@ class Option:
         validate: `value -> validated value`, raising TypeError/ValueError
             naming the argument.
         doc: one line for `compile()`'s docstring.
+        annotation: the keyword's type in `compile()`'s signature.
     """
 
     def __init__(
-        self, name: str, default: Any, kind: str, validate: Callable[[Any], Any], doc: str
+        self, name: str, default: Any, kind: str, validate: Callable[[Any], Any], doc: str,
+        annotation: Any = inspect.Parameter.empty,
     ) -> None:
         self.name = name
         self.default = default
         self.kind = kind
         self.validate = validate
         self.doc = doc
+        self.annotation = annotation
 
     def is_set(self, value: Any) -> bool:
         """True when `value` changes the stock step."""
@@ -132,27 +138,30 @@ def _multi_gradient(name):
 OPTIONS = (
     Option("gradient_transforms", None, "list", _transforms,
            "list of `kt.GradientTransform`, applied in order to the true "
-           "(unscaled, replica-aggregated) gradients."),
+           "(unscaled, replica-aggregated) gradients.",
+           Optional[Sequence[GradientTransform]]),
     Option("loss_terms", None, "list", _terms,
-           "list of loss terms added inside the training tape."),
+           "list of loss terms added inside the training tape.",
+           Optional[Sequence[Term]]),
     Option("micro_batches", 1, "int",
            lambda v: validation.positive_int(v, "micro_batches"),
-           "split every batch into this many micro-batches."),
+           "split every batch into this many micro-batches.", int),
     Option("accumulation_steps", 1, "int",
            lambda v: validation.positive_int(v, "accumulation_steps"),
-           "batches per optimizer step."),
+           "batches per optimizer step.", int),
     Option("batch_norm_updates", "large_batch", "choice",
            lambda v: validation.choice(v, "batch_norm_updates", BATCH_NORM_UPDATES),
            '`"large_batch"` or `"per_micro_batch"`: how BatchNormalization '
-           "moving statistics follow `micro_batches`."),
+           "moving statistics follow `micro_batches`.", str),
     Option("sharpness_aware", None, "object", _sam,
-           "None or a `kt.SAM`: sharpness-aware minimization."),
+           "None or a `kt.SAM`: sharpness-aware minimization.", Optional[SAM]),
     Option("adversarial_training", None, "object", _attack,
            "None or a `kt.attacks` attack: train on the attacked inputs only "
-           "(Madry et al.; no clean pass)."),
+           "(Madry et al.; no clean pass).", Optional[Attack]),
 ) + tuple(
     Option(name, None, "object", _multi_gradient(name),
-           f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).")
+           f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).",
+           Optional[MultiGradientOption])
     for name in MULTI_GRADIENT_OPTIONS
 )
 
@@ -306,7 +315,10 @@ def compile_signature(compile_method: Callable[..., Any]) -> inspect.Signature:
     parameters = list(inspect.signature(compile_method).parameters.values())
     var_keyword = parameters.pop()
     options = [
-        inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default)
+        inspect.Parameter(
+            option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+            annotation=option.annotation,
+        )
         for option in OPTIONS
     ]
     return inspect.Signature(parameters + options + [var_keyword])
