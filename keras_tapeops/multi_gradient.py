@@ -21,7 +21,18 @@ Rows (a Jacobian of a vector of objectives) are computed in one place,
 `keras_tapeops.rows`; small aggregators reduce them.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import TYPE_CHECKING
+
+import keras
+
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.paths import LayerTree
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 # The compile() arguments that take a `MultiGradientOption`, in pipeline order.
 MULTI_GRADIENT_OPTIONS = ("task_balancing", "differential_privacy", "sample_selection")
@@ -45,7 +56,7 @@ class MultiGradientOption(ConfigRepr):
 
     option_name: str | None = None
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> MultiGradientState:
         """Returns this option's `MultiGradientState` for `model`.
 
         Called once per compilation, inside the model's strategy scope and
@@ -62,7 +73,7 @@ class MultiGradientOption(ConfigRepr):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement bind().")
 
-    def combines_with(self, name, value):
+    def combines_with(self, name: str, value: Any) -> str | None:
         """Whether this option may be compiled together with option `name`.
 
         Args:
@@ -76,11 +87,11 @@ class MultiGradientOption(ConfigRepr):
         """
         return "both change how one batch becomes one gradient; that combination is not supported"
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
 

@@ -10,6 +10,8 @@ choice and torchjd's default), `"median"` (the lower median) or `"rmse"`
 (their mean, as in the original implementation).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -18,6 +20,7 @@ import tensorflow as tf
 from keras_tapeops import validation
 from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
 
 SCALE_MODES = ("min", "median", "rmse")
@@ -75,8 +78,8 @@ class AlignedMTL(Aggregator):
         super().__init__(shared=shared, tasks=tasks)
         self.scale_mode = validation.choice(scale_mode, "scale_mode", SCALE_MODES)
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return aligned_mtl_weights(gramian, self.scale_mode)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "scale_mode": self.scale_mode}

@@ -11,12 +11,19 @@ small matrix, testable with NumPy.
 and implements `weights(gramian, context) -> [K]` (see `docs/extending.md`).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
 import tensorflow as tf
 
 from keras_tapeops import rows as row_ops
 from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.multitask.context import StepContext
+from keras_tapeops.multitask.engine import TaskEngine
 from keras_tapeops.multitask.option import TaskBalancing
+from keras_tapeops.paths import LayerTree
 
 
 class Aggregator(TaskBalancing):
@@ -60,13 +67,13 @@ class Aggregator(TaskBalancing):
 
     kind = "rows"
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> TaskEngine:
         require_override(self, "Aggregator", "weights(gramian, context)",
                          TaskBalancing.weights, "returns the [K] weights of the task gradients",
                          "task_balancing")
         return super().bind(model, tree)
 
-    def aggregate(self, rows, context=None):
+    def aggregate(self, rows: tf.Tensor, context: StepContext | None = None) -> tf.Tensor:
         """`weights(J J^T)^T J`: the aggregated `[P]` gradient of `[K, P]` rows.
 
         Args:

@@ -15,6 +15,8 @@ cvxpy): on each face of the simplex its minimizer has a closed form
 vertices and the min-norm point is taken (see `qp`).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -24,6 +26,7 @@ from keras_tapeops import validation
 from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
 
 
@@ -104,8 +107,8 @@ class CAGrad(Aggregator):
             raise ValueError(f"`rescale` must be 0, 1 or 2. Received: rescale={rescale!r}")
         self.rescale = int(rescale)
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return cagrad_weights(gramian, self.c, self.rescale)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "c": self.c, "rescale": self.rescale}

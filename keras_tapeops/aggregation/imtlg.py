@@ -7,10 +7,13 @@ torchjd's generalization (which also handles linearly dependent rows):
 LibMTL's `IMTL` also learns loss scales (the hybrid IMTL); that is not this.
 """
 
+from __future__ import annotations
+
 import tensorflow as tf
 
 from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
 
 
@@ -44,5 +47,5 @@ class IMTLG(Aggregator):
     ```
     """
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return imtlg_weights(gramian)

@@ -20,9 +20,12 @@ official code the `Z` gradient is the whole `[batch, ...]` tensor (LibMTL
 sums it over the batch).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops import paths
@@ -30,6 +33,8 @@ from keras_tapeops import validation
 from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 
 NORMALIZATIONS = ("none", "l2", "loss", "loss+")
@@ -105,14 +110,15 @@ class MGDA(Aggregator):
         self.representation = representation
         self.normalization = validation.choice(normalization, "normalization", NORMALIZATIONS)
 
+    # A property over the base's class attribute: the kind depends on `on`.
     @property
-    def kind(self):
+    def kind(self) -> str:  # type: ignore[override]
         return "representation" if self.on == "representation" else "rows"
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return mgda_weights(gramian, context.losses, self.normalization)
 
-    def micro_batch_refusal(self, replicas):
+    def micro_batch_refusal(self, replicas: int) -> str | None:
         if self.on == "representation" and replicas > 1:
             return (
                 "on='representation' takes its weights from each pass's "
@@ -121,7 +127,7 @@ class MGDA(Aggregator):
             )
         return None
 
-    def representation_layer(self, model, tree):
+    def representation_layer(self, model: keras.Model, tree: LayerTree) -> keras.layers.Layer:
         """The layer whose output is the shared representation (resolved per model)."""
         path = self.representation
         if path is None:
@@ -141,7 +147,7 @@ class MGDA(Aggregator):
         except ValueError as error:
             raise ValueError(f"{error}. Received: representation={path!r}") from None
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             **super().get_config(), "on": self.on,
             "representation": self.representation, "normalization": self.normalization,

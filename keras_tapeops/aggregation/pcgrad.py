@@ -13,6 +13,8 @@ of the projected gradients. The orders are drawn with a stateless RNG from
 same ones.
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -20,6 +22,7 @@ import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
 
 
@@ -99,9 +102,9 @@ class PCGrad(Aggregator):
             seed = int(seed)
         self.seed = seed
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         orders = task_orders(context.seed, context.step, context.num_tasks)
         return pcgrad_weights(gramian, orders)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "seed": self.seed}

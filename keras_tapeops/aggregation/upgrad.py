@@ -9,6 +9,8 @@ torchjd calls quadprog, we solve the same box-constrained QPs exactly
 inside the step (`qp.dual_cone_weights`).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -18,6 +20,7 @@ from keras_tapeops import validation
 from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
 
 
@@ -65,8 +68,8 @@ class UPGrad(Aggregator):
         self.norm_eps = validation.non_negative_number(norm_eps, "norm_eps")
         self.reg_eps = validation.positive_number(reg_eps, "reg_eps")
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return upgrad_weights(gramian, self.norm_eps, self.reg_eps)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "norm_eps": self.norm_eps, "reg_eps": self.reg_eps}

@@ -10,6 +10,8 @@ plain sum is likely as good (Kurin et al., 2022). The other steps cost
 nothing extra.
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -47,5 +49,5 @@ class MeasureConflict(TaskBalancing):
         super().__init__(shared=shared, tasks=tasks)
         self.every = validation.positive_int(every, "every")
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "every": self.every}

@@ -1,5 +1,10 @@
 """`StepContext`: what a multi-task method sees when it computes weights."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
 
 class StepContext:
     """What a method sees when it computes weights or updates its state.
@@ -14,7 +19,11 @@ class StepContext:
         epochs: the engine's `EpochLosses`, or None.
     """
 
-    def __init__(self, num_tasks, losses=None, state=None, step=None, seed=0, epochs=None):
+    def __init__(
+        self, num_tasks: int, losses: tf.Tensor | None = None,
+        state: dict[str, Any] | None = None, step: tf.Tensor | None = None, seed: int = 0,
+        epochs: Any = None,
+    ) -> None:
         self.num_tasks = num_tasks
         self.losses = losses
         self.state = state or {}

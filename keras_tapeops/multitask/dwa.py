@@ -9,11 +9,15 @@ over epoch `e`. An epoch is `fit()`'s epoch (see `epochs`); the weights are
 constant within an epoch, so accumulation steps equal the large batch.
 """
 
+from __future__ import annotations
+
+from typing import Any
 from typing import Sequence
 
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
 
@@ -40,7 +44,7 @@ class DWA(TaskBalancing):
         super().__init__(tasks=tasks)
         self.temperature = validation.positive_number(temperature, "temperature")
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor:
         epochs = context.epochs
         k = context.num_tasks
         before = tf.convert_to_tensor(epochs.before_last)
@@ -48,5 +52,5 @@ class DWA(TaskBalancing):
         weights = k * tf.nn.softmax(ratio / self.temperature)
         return tf.where(tf.convert_to_tensor(epochs.completed) >= 2.0, weights, tf.ones([k]))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "temperature": self.temperature}

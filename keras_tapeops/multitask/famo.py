@@ -26,6 +26,9 @@ all-reduce in the pass), so `micro_batches` are refused (no
 synchronization inside the micro-batch loop).
 """
 
+from __future__ import annotations
+
+from typing import Any
 from typing import Sequence
 
 import numpy as np
@@ -33,6 +36,7 @@ import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.multitask import learned
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
 
@@ -73,7 +77,7 @@ class FAMO(TaskBalancing):
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
         self.weight_decay = validation.non_negative_number(weight_decay, "weight_decay")
 
-    def initial_state(self, num_tasks):
+    def initial_state(self, num_tasks: int) -> dict[str, np.ndarray]:
         return {
             "logits": np.zeros([num_tasks], "float32"),
             "previous_losses": np.zeros([num_tasks], "float32"),
@@ -81,7 +85,7 @@ class FAMO(TaskBalancing):
             **learned.adam_state("logits", num_tasks),
         }
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor:
         losses = tf.cast(context.losses, tf.float32)
         present = present_tasks(losses)
         z = tf.nn.softmax(tf.convert_to_tensor(context.state["logits"]))
@@ -91,7 +95,7 @@ class FAMO(TaskBalancing):
         c = tf.reduce_sum(z * inverse)
         return tf.math.divide_no_nan(z * inverse, c)
 
-    def update(self, context, gramian=None):
+    def update(self, context: StepContext, gramian: tf.Tensor | None = None) -> None:
         state = context.state
         current = tf.cast(context.losses, tf.float32)
         previous = tf.convert_to_tensor(state["previous_losses"])
@@ -117,13 +121,13 @@ class FAMO(TaskBalancing):
         state["previous_losses"].assign(tf.where(keep_new, current, previous))
         state["has_previous"].assign(tf.where(finite, 1.0, state["has_previous"]))
 
-    def micro_batch_refusal(self, replicas):
+    def micro_batch_refusal(self, replicas: int) -> str | None:
         return (
             "FAMO weighs each pass with the log of its own losses, "
             "so micro-batches would not add up to the batch"
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             **super().get_config(), "learning_rate": self.learning_rate,
             "weight_decay": self.weight_decay,

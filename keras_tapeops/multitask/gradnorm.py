@@ -18,6 +18,8 @@ optimizer step by Adam (`learning_rate`) along `d/dp sum_k |G_k - target_k|`
 (targets held constant).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -27,6 +29,7 @@ import tensorflow as tf
 from keras_tapeops import validation
 from keras_tapeops import gramian as gram
 from keras_tapeops.multitask import learned
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
 
@@ -59,7 +62,7 @@ class GradNorm(TaskBalancing):
         self.alpha = validation.non_negative_number(alpha, "alpha")
         self.learning_rate = validation.positive_number(learning_rate, "learning_rate")
 
-    def initial_state(self, num_tasks):
+    def initial_state(self, num_tasks: int) -> dict[str, np.ndarray]:
         return {
             "logits": np.ones([num_tasks], "float32"),
             **learned.adam_state("logits", num_tasks),
@@ -68,15 +71,15 @@ class GradNorm(TaskBalancing):
     def _active(self, context):
         return tf.convert_to_tensor(context.epochs.completed) >= 1.0
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor:
         k = context.num_tasks
         weights = k * tf.nn.softmax(tf.convert_to_tensor(context.state["logits"]))
         return tf.where(self._active(context), weights, tf.ones([k]))
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         return self.pass_weights(context)
 
-    def update(self, context, gramian=None):
+    def update(self, context: StepContext, gramian: tf.Tensor | None = None) -> None:
         k = context.num_tasks
         norms = gram.row_norms(gramian)
         first = tf.convert_to_tensor(context.epochs.first)
@@ -94,5 +97,5 @@ class GradNorm(TaskBalancing):
             context.state, "logits", tf.where(ok, grad, 0.0), self.learning_rate, apply=ok
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "alpha": self.alpha, "learning_rate": self.learning_rate}

@@ -21,8 +21,15 @@ gradient aggregator subclasses `keras_tapeops.aggregation.Aggregator` and
 implements `weights(gramian, context) -> [K]`.
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
+from typing import TYPE_CHECKING
+
+import keras
+import numpy as np
+import tensorflow as tf
 
 from keras_tapeops import selectors
 from keras_tapeops.multi_gradient import MultiGradientOption
@@ -30,6 +37,11 @@ from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.multitask import tasks as task_resolution
 from keras_tapeops.multitask.context import StepContext  # noqa: F401  (re-exported)
 from keras_tapeops.multitask.engine import TaskEngine
+from keras_tapeops.paths import LayerTree
+from keras_tapeops.selectors import Selector
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class TaskBalancing(MultiGradientOption):
@@ -68,43 +80,43 @@ class TaskBalancing(MultiGradientOption):
     needs_global_losses = False  # pass weights from this pass's losses summed over replicas
     logs_weights = True
 
-    def __init__(self, shared: Any = None, tasks: Sequence[str] | None = None) -> None:
+    def __init__(self, shared: Selector = None, tasks: Sequence[str] | None = None) -> None:
         if self.takes_shared:
             self.shared = _validate_shared(shared)
         self.tasks = task_resolution.validate_tasks(tasks)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> TaskEngine:
         return TaskEngine(self, model, tree)
 
     # -------------------------------------------------------- method hooks
-    def initial_state(self, num_tasks):
+    def initial_state(self, num_tasks: int) -> dict[str, np.ndarray]:
         """Learned state: dict name -> initial float32 array (engine variables, saved)."""
         return {}
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor | None:
         """`[K]` multipliers of the task losses in the backward pass, or None (all 1)."""
         return None
 
-    def weights(self, gramian, context):
+    def weights(self, gramian: tf.Tensor, context: StepContext) -> tf.Tensor:
         """`[K]` weights of the rows from their `[K, K]` Gramian ("rows" kind)."""
         raise NotImplementedError(f"{type(self).__name__} must implement weights().")
 
-    def update(self, context, gramian=None):
+    def update(self, context: StepContext, gramian: tf.Tensor | None = None) -> None:
         """Updates the learned state once per applied step (after the gradient is made)."""
 
-    def micro_batch_refusal(self, replicas):
+    def micro_batch_refusal(self, replicas: int) -> str | None:
         """Why `micro_batches > 1` cannot be used with `replicas` replicas, or None."""
         return None
 
     # ------------------------------------------------------------- config
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = {"tasks": list(self.tasks) if self.tasks is not None else None}
         if self.takes_shared:
             config["shared"] = selectors.serialize_selector(self.shared)
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         if "shared" in config:
             config["shared"] = selectors.deserialize_selector(config["shared"])
@@ -169,16 +181,16 @@ class LossWeighting(TaskBalancing):
     kind = "weighting"
     takes_shared = False
 
-    def __init__(self, tasks=None):
+    def __init__(self, tasks: Sequence[str] | None = None) -> None:
         super().__init__(tasks=tasks)
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor:
         """`[K]` multipliers of the task losses in this pass's backward pass."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement pass_weights(context) -> [K] weights."
         )
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> TaskEngine:
         require_override(self, "LossWeighting", "pass_weights(context)",
                          LossWeighting.pass_weights,
                          "returns the [K] multipliers of the task losses", "task_balancing")

@@ -13,13 +13,18 @@ optimizer step by Adam (`learning_rate`, PyTorch's defaults otherwise) along
 accumulation, the large batch's: the step equals the large-batch step).
 """
 
+from __future__ import annotations
+
+from typing import Any
 from typing import Sequence
+from typing import cast
 
 import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.multitask import learned
+from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
 
@@ -57,18 +62,19 @@ class UncertaintyWeighting(TaskBalancing):
             initial_log_variance, "initial_log_variance"
         )
 
-    def initial_state(self, num_tasks):
+    def initial_state(self, num_tasks: int) -> dict[str, np.ndarray]:
         return {
             "log_variance": np.full([num_tasks], self.initial_log_variance, "float32"),
             **learned.adam_state("log_variance", num_tasks),
         }
 
-    def pass_weights(self, context):
+    def pass_weights(self, context: StepContext) -> tf.Tensor:
         return 0.5 * tf.exp(-tf.convert_to_tensor(context.state["log_variance"]))
 
-    def update(self, context, gramian=None):
+    def update(self, context: StepContext, gramian: tf.Tensor | None = None) -> None:
         s = tf.convert_to_tensor(context.state["log_variance"])
-        grad = 0.5 - 0.5 * context.losses * tf.exp(-s)
+        losses = cast(tf.Tensor, context.losses)  # set on every applied step
+        grad = 0.5 - 0.5 * losses * tf.exp(-s)
         finite = tf.reduce_all(tf.math.is_finite(grad))
         # A task whose loss is exactly 0 (no labelled example in the batch)
         # does not pull its log-variance down; an empty batch moves nothing.
@@ -79,7 +85,7 @@ class UncertaintyWeighting(TaskBalancing):
             self.learning_rate, apply=tf.logical_and(finite, tf.reduce_any(present)),
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             **super().get_config(), "learning_rate": self.learning_rate,
             "initial_log_variance": self.initial_log_variance,
