@@ -13,7 +13,6 @@ and implements `weights(gramian, context) -> [K]` (see `docs/extending.md`).
 
 from __future__ import annotations
 
-
 import keras
 import tensorflow as tf
 
