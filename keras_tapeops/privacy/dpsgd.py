@@ -1,7 +1,14 @@
 """`kt.DPSGD`: differentially private SGD as a compile option."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
 from keras_tapeops import validation
 from keras_tapeops.multi_gradient import MultiGradientOption
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.privacy import noise
 from keras_tapeops.privacy import sites
 from keras_tapeops.privacy.engine import DPSGDState
@@ -89,7 +96,7 @@ class DPSGD(MultiGradientOption):
         self.seed = noise.check_seed(seed)
         self.method = validation.choice(method, "method", METHODS)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> DPSGDState:
         mixing = [
             path for path, layer in tree.entries if sites.mixes_examples(layer)
         ]
@@ -105,10 +112,10 @@ class DPSGD(MultiGradientOption):
             )
         return DPSGDState(self, model)
 
-    def combines_with(self, name, value):
+    def combines_with(self, name: str, value: Any) -> str | None:
         return _REASONS.get(name, super().combines_with(name, value))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,

@@ -20,6 +20,10 @@ covers Keras's and MultiHeadAttention's projections; another layout uses the
 vectorized fallback.
 """
 
+from __future__ import annotations
+
+from typing import Sequence
+
 import keras
 import tensorflow as tf
 
@@ -69,7 +73,10 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
     return Part(squared, weighted, method)
 
 
-def per_example_part(rows, scale, shape, method="per-example"):
+def per_example_part(
+    rows: tf.Tensor, scale: tf.Tensor | float, shape: Sequence[int] | tf.TensorShape,
+    method: str = "per-example",
+) -> Part:
     """A `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled)."""
     flat = tf.reshape(rows, [tf.shape(rows)[0], -1])
     squared = tf.reduce_sum(flat * flat, 1) / (scale * scale)

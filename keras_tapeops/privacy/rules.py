@@ -16,7 +16,18 @@ The per-example squared norm of the whole gradient is the sum of the parts'
 norms, over every variable of every site: norms add over variables.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import TypeVar
+
+import keras
 import tensorflow as tf
+
+from keras_tapeops.privacy.sites import Site
+from keras_tapeops.typing_aliases import Gradient
 
 
 class Part:
@@ -30,7 +41,9 @@ class Part:
         method: how the norms were computed ("ghost", "per-example", ...).
     """
 
-    def __init__(self, squared_norms, weighted, method):
+    def __init__(
+        self, squared_norms: tf.Tensor, weighted: Callable[[tf.Tensor], Gradient], method: str
+    ) -> None:
         self.squared_norms = squared_norms
         self.weighted = weighted
         self.method = method
@@ -48,7 +61,9 @@ class Context:
             materializes must have their non-finite entries replaced by zeros.
     """
 
-    def __init__(self, tape, scale, jit, sanitize=False):
+    def __init__(
+        self, tape: tf.GradientTape, scale: tf.Tensor | float, jit: bool, sanitize: bool = False
+    ) -> None:
         self.tape = tape
         self.scale = tf.cast(scale, tf.float32)
         self.jit = jit
@@ -116,12 +131,15 @@ class ClippingRule:
     family = "custom"
 
     @staticmethod
-    def applies(layer):
+    def applies(layer: keras.layers.Layer) -> bool:
         """Returns True if this rule clips `layer`'s own variables."""
         raise NotImplementedError("A ClippingRule must implement applies(layer).")
 
     @staticmethod
-    def forward(layer, original_call, args, kwargs):
+    def forward(
+        layer: keras.layers.Layer, original_call: Callable[..., Any], args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Any]]:
         """Runs the layer; returns `(outputs, record)`.
 
         The default records the first input as `record["a"]` and the output as
@@ -131,7 +149,10 @@ class ClippingRule:
         return output_forward(layer, original_call, args, kwargs)
 
     @staticmethod
-    def clip(site, records, grads, context):
+    def clip(
+        site: Site, records: Sequence[dict[str, Any]], grads: Sequence[Sequence[tf.Tensor]],
+        context: Context,
+    ) -> dict[int, Part]:
         """Returns `{id(variable): Part}` for the site's variables.
 
         Args:
@@ -144,10 +165,13 @@ class ClippingRule:
         raise NotImplementedError("A ClippingRule must implement clip(...).")
 
 
+# A rule class: a ClippingRule subclass, or any class with its static methods.
+_Rule = TypeVar("_Rule", bound=type)
+
 _REGISTERED_RULES: list = []
 
 
-def register_clipping_rule(rule):
+def register_clipping_rule(rule: _Rule) -> _Rule:
     """Registers a clipping rule: DP-SGD (`method="auto"`) tries it before the built-in ones.
 
     Rules registered later are tried first. Usable as a class decorator.

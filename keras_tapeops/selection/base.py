@@ -30,17 +30,23 @@ method, `select(losses, context) -> [batch] weights` (see
 library's own machinery and need not be touched.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops._keras import private
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.replicas import batch_size
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.multi_gradient import require_override
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.selection import batch as batches
+from keras_tapeops.typing_aliases import Nested
 
 # Options a selection composes with (besides the options outside the
 # multi-gradient family, which always compose).
@@ -77,7 +83,7 @@ class SelectionOption(MultiGradientOption):
 
     option_name = "sample_selection"
 
-    def combines_with(self, name, value):
+    def combines_with(self, name: str, value: Any) -> str | None:
         return _REASONS.get(name, "both change how one batch becomes one gradient")
 
 
@@ -187,7 +193,10 @@ class SelectionContext:
         step: the optimizer's applied-step count (int64 tensor).
     """
 
-    def __init__(self, model, x, y, sample_weight, y_pred, step):
+    def __init__(
+        self, model: keras.Model, x: Nested, y: Nested, sample_weight: Nested, y_pred: Nested,
+        step: tf.Tensor,
+    ) -> None:
         self.model = model
         self.x = x
         self.y = y
@@ -235,7 +244,7 @@ class SelectionRule(SelectionOption):
     ```
     """
 
-    def select(self, losses, context):
+    def select(self, losses: tf.Tensor, context: SelectionContext) -> tf.Tensor:
         """The per-example weights of the candidate batch.
 
         Args:
@@ -252,7 +261,7 @@ class SelectionRule(SelectionOption):
             f"{type(self).__name__} must implement select(losses, context) -> [batch] weights."
         )
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> SelectionRuleState:
         require_override(self, "SelectionRule", "select(losses, context)",
                          SelectionRule.select,
                          "returns one weight per example (0 leaves it out)", "sample_selection")

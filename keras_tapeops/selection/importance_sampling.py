@@ -3,9 +3,15 @@
 Katharopoulos & Fleuret 2018.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.registration import register
 from keras_tapeops.selection import batch as batches
@@ -66,10 +72,10 @@ class ImportanceSampling(SelectionOption):
             raise ValueError(f"`smoothing` must be in [0, 1]. Received: smoothing={smoothing!r}")
         self.seed = seed_argument(seed)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> ImportanceSamplingState:
         return ImportanceSamplingState(self)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"fraction": self.fraction, "score": self.score,
                 "smoothing": self.smoothing, "seed": self.seed}
 

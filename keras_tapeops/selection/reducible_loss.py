@@ -6,13 +6,17 @@ irreducible loss (looked up by the example's global index in a tensor, or
 computed by a model trained on a holdout set), keep the top k.
 """
 
+from __future__ import annotations
+
 from typing import Any
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_tapeops._keras import private as keras_private
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.registration import register
 from keras_tapeops._keras import selection as private
@@ -20,6 +24,9 @@ from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import fraction_argument
 from keras_tapeops.selection.top_loss import TopLossState
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 ID_KEY = "example_id"
 
@@ -93,17 +100,17 @@ class ReducibleLoss(SelectionOption):
             self.irreducible = values
 
     @property
-    def uses_ids(self):
+    def uses_ids(self) -> bool:
         return not isinstance(self.irreducible, keras.Model)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> ReducibleLossState:
         if self.uses_ids:
             private.strip_ids_before_symbolic_build(
                 model, lambda x: batches.split_ids(x, self.id_key)
             )
         return ReducibleLossState(self)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         if self.uses_ids:
             irreducible = self.irreducible.tolist()
         else:
@@ -116,7 +123,7 @@ class ReducibleLoss(SelectionOption):
         return {"irreducible": irreducible, "fraction": self.fraction, "id_key": self.id_key}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         irreducible = config.pop("irreducible")
         if isinstance(irreducible, dict):

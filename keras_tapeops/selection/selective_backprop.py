@@ -1,8 +1,14 @@
 """`kt.SelectiveBackprop`: probabilistic selection by loss percentile (Jiang et al. 2019)."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
@@ -55,13 +61,13 @@ class SelectiveBackprop(SelectionOption):
         self.seed = seed_argument(seed)
 
     @property
-    def kept_fraction(self):
+    def kept_fraction(self) -> float:
         return self.fraction if self.fraction is not None else 1.0 / (1.0 + self.beta)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> SelectiveBackpropState:
         return SelectiveBackpropState(self)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"beta": self.beta, "history_size": self.history_size,
                 "fraction": self.fraction, "seed": self.seed}
 

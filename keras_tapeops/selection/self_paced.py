@@ -1,14 +1,21 @@
 """`kt.SelfPaced`: self-paced learning, hard weights by a loss threshold (Kumar et al. 2010)."""
 
+from __future__ import annotations
+
 from typing import Any
+from typing import TYPE_CHECKING
 
 import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import SelectionState
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -50,17 +57,17 @@ class SelfPaced(SelectionOption):
                 threshold_schedule, "threshold_schedule"
             )
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> SelfPacedState:
         return SelfPacedState(self.threshold_schedule)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         value = self.threshold_schedule
         if not isinstance(value, float):
             value = keras.saving.serialize_keras_object(value)
         return {"threshold_schedule": value}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         value = config["threshold_schedule"]
         if isinstance(value, dict):
             value = keras.saving.deserialize_keras_object(value)

@@ -1,10 +1,15 @@
 """`kt.SuperLoss`: confidence weights from the loss (Castells et al., NeurIPS 2020)."""
 
+from __future__ import annotations
+
+from typing import Any
 import math
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import SelectionState
@@ -70,10 +75,10 @@ class SuperLoss(SelectionOption):
         if self.momentum >= 1.0:
             raise ValueError(f"`momentum` must be in [0, 1). Received: momentum={momentum!r}")
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> SuperLossState:
         return SuperLossState(self)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"lam": self.lam, "tau": self.tau, "momentum": self.momentum}
 
 

@@ -1,7 +1,13 @@
 """`kt.TopLoss`: online batch selection by the largest losses (Loshchilov & Hutter 2015)."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
 import tensorflow as tf
 
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
@@ -37,10 +43,10 @@ class TopLoss(SelectionOption):
     def __init__(self, fraction: float = 0.25) -> None:
         self.fraction = fraction_argument(fraction)
 
-    def bind(self, model, tree):
+    def bind(self, model: keras.Model, tree: LayerTree) -> TopLossState:
         return TopLossState(self.fraction)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"fraction": self.fraction}
 
 
