@@ -1,9 +1,18 @@
 """`EpochMeasure`: the base of callbacks that measure the model every N epochs and log it."""
 
+from __future__ import annotations
+
+from typing import Any
+from typing import TYPE_CHECKING
+
 import keras
 
 from keras_tapeops import second_order
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Logs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class EpochMeasure(keras.callbacks.Callback):
@@ -63,17 +72,17 @@ class EpochMeasure(keras.callbacks.Callback):
         self.every = validation.positive_int(every, "every")
         self.values = {}
 
-    def measure(self):
+    def measure(self) -> Any:
         """Returns the value to log for `self.model` now (a subclass implements it)."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement `measure()`, returning the "
             "value to log."
         )
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         self.values = {}
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if epoch % self.every:
             return
         if logs is not None and self.name in logs:
@@ -88,7 +97,7 @@ class EpochMeasure(keras.callbacks.Callback):
             logs[self.name] = value
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
     def __repr__(self):

@@ -41,6 +41,9 @@ How it works, in Keras 3 terms:
   model as it was.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numbers
 from typing import Any
 
@@ -54,6 +57,10 @@ from keras_tapeops.callbacks.group_learning_rate import check_verbose
 from keras_tapeops.groups import check_selector_pair
 from keras_tapeops.groups import trainable_capable_variables
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Logs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 UNITS = ("epoch", "step")
 
@@ -96,10 +103,10 @@ class GradualUnfreezing(keras.callbacks.Callback):
         self._done = False
 
     # ------------------------------------------------------------ callbacks
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         model = self.model
         capable = trainable_capable_variables(model)
-        owner = {}
+        owner: dict[int, int] = {}  # id(variable) -> schedule entry
         entries = []
         for i, (where, at) in enumerate(self.schedule):
             mask = selectors.select(where, model, capable)
@@ -126,14 +133,14 @@ class GradualUnfreezing(keras.callbacks.Callback):
         if self.unit == "step":
             self._update(self._position(None))
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         self._update(self._position(epoch))
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
         if self.unit == "step" and not self._done:
             self._update(self._position(None))
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Logs = None) -> None:
         changed = False
         for layer, flag in self._initial_layer_flags.values():
             if layer.trainable != flag:
@@ -222,7 +229,7 @@ class GradualUnfreezing(keras.callbacks.Callback):
             )
         sync_multi_optimizer(model, list(model.trainable_variables))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "schedule": [[selectors.serialize_selector(w), at] for w, at in self.schedule],
             "unit": self.unit,
@@ -230,7 +237,7 @@ class GradualUnfreezing(keras.callbacks.Callback):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["schedule"] = [
             (selectors.deserialize_selector(w), at) for w, at in config["schedule"]

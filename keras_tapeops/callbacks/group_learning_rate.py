@@ -11,6 +11,9 @@ name="head")` is the group `"head"`); `kt.groups.group_optimizers(model)` lists
 them.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numbers
 from typing import Any
 
@@ -21,6 +24,10 @@ from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.groups import group_optimizers
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Logs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 LOG_PREFIX = "lr/"
 
@@ -95,7 +102,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
         self.verbose = check_verbose(verbose)
 
     # ------------------------------------------------------------ callbacks
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         optimizers = group_optimizers(self.model)
         if isinstance(self.schedule, dict):
             unknown = [name for name in self.schedule if name not in optimizers]
@@ -114,7 +121,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
                 "them with the schedule, or leave them out of `schedule`."
             )
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         optimizers = group_optimizers(self.model)
         for name in self._targets(optimizers):
             optimizer = optimizers[name]
@@ -133,7 +140,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
                     f"{name} learning rate to {float(new)}."
                 )
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if self.log and logs is not None:
             for name, rate in group_learning_rates(self.model).items():
                 logs[log_key(name)] = rate
@@ -146,7 +153,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
             return [name for name in optimizers if name in self.schedule]
         return list(optimizers)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         schedule = self.schedule
         if isinstance(schedule, dict):
             schedule = {
@@ -158,7 +165,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
         return {"schedule": schedule, "log": self.log, "verbose": self.verbose}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         schedule = config.get("schedule")
         if isinstance(schedule, dict) and "class_name" not in schedule:

@@ -8,6 +8,10 @@ same `factor` on a plateau (so the ratios between groups, e.g. a layer-wise
 decay, are kept until a group reaches `min_lr`), and can log the rates.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import TYPE_CHECKING
 import warnings
 
 import keras
@@ -20,6 +24,10 @@ from keras_tapeops.callbacks.group_learning_rate import log_key
 from keras_tapeops.callbacks.group_learning_rate import scheduled_groups
 from keras_tapeops.groups import group_optimizers
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Logs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -97,7 +105,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
             f"Received: monitor={self.monitor!r}, mode='auto'"
         )
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         self._reset()
         fixed = scheduled_groups(group_optimizers(self.model))
         if fixed:
@@ -107,7 +115,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
                 "lower. Use numbers as their learning rates."
             )
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         logs = logs if logs is not None else {}
         current = logs.get(self.monitor)
         if current is None:
@@ -149,7 +157,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
                     )
         return reduced
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "monitor": self.monitor, "factor": self.factor, "patience": self.patience,
             "verbose": self.verbose, "mode": self.mode, "min_delta": self.min_delta,
@@ -157,7 +165,7 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
 

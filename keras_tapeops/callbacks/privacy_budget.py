@@ -1,5 +1,9 @@
 """`PrivacyBudget`: logs DP-SGD's epsilon each epoch and stops before a target."""
 
+from __future__ import annotations
+
+from typing import Any
+from typing import TYPE_CHECKING
 import math
 
 import keras
@@ -7,6 +11,10 @@ import keras
 from keras_tapeops import validation
 from keras_tapeops.privacy import accounting
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Logs
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -76,13 +84,14 @@ class PrivacyBudget(keras.callbacks.Callback):
         )
         self.accountant = validation.choice(accountant, "accountant", accounting.ACCOUNTANTS)
         self.name = validation.name(name, "name")
-        self._noise_multiplier = None
-        self._engine = None
+        # Set by on_train_begin (float and the model's DPSGDState), read after it.
+        self._noise_multiplier: Any = None
+        self._engine: Any = None
         self._largest_step = 0.0
         self._max_steps = None  # (rate, steps) of the last stopping-point search
 
     # ----------------------------------------------------------------- hooks
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         accounting.require_dp_accounting()
         options = getattr(self.model, "tapeops_options", None)
         option = getattr(options, "differential_privacy", None)
@@ -102,27 +111,27 @@ class PrivacyBudget(keras.callbacks.Callback):
         if self.target_epsilon is not None:
             self._check_target_reachable()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
         if self.target_epsilon is None or self.model.stop_training:
             return
         if self._steps() + self._execution_steps() > self._allowed_steps():
             self.model.stop_training = True
             _skip_next_execution(self.model)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         if self.sampling_rate is None:
             self._largest_step = max(self._largest_step, float(self._engine.step_samples.numpy()))
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if logs is not None:
             logs[self.name] = self.epsilon()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Logs = None) -> None:
         if self._engine is not None:
             self._engine.mask_refusal = None
 
     # --------------------------------------------------------------- values
-    def epsilon(self):
+    def epsilon(self) -> float:
         """The epsilon spent by the applied steps so far (0 before the first)."""
         steps = self._steps()
         rate = self._rate()
@@ -206,7 +215,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._max_steps = (rate, allowed)
         return allowed
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "dataset_size": self.dataset_size,
             "delta": self.delta,
@@ -217,7 +226,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
 

@@ -1,5 +1,7 @@
 """`RobustAccuracy`: logs accuracy under attack at the end of every epoch."""
 
+from __future__ import annotations
+
 from typing import Any
 
 from keras_tapeops import validation
@@ -55,12 +57,12 @@ class RobustAccuracy(EpochMeasure):
         self.batch_size = batch_size
         super().__init__(data, name, every)
 
-    def measure(self):
+    def measure(self) -> float:
         """Runs the attack on `data`; returns the robust accuracy (a float)."""
         result = self.evaluator(self.model, self.data, self.batch_size)
         return result["robust_accuracy"]
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The arguments; `data` is held by reference (not JSON-serializable)."""
         return {
             "data": self.data,

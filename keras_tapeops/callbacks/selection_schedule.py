@@ -1,5 +1,7 @@
 """`kt.callbacks.SelectionSchedule`: change the kept fraction or the threshold per epoch."""
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Callable
 
@@ -8,6 +10,7 @@ import keras
 from keras_tapeops import validation
 from keras_tapeops.selection.base import SelectionState
 from keras_tapeops.selection.base import fraction_argument
+from keras_tapeops.typing_aliases import Logs
 
 
 class SelectionSchedule(keras.callbacks.Callback):
@@ -63,7 +66,7 @@ class SelectionSchedule(keras.callbacks.Callback):
             )
         return engine
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         engine = self._engine()
         value = self.schedule(epoch)
         if engine.value_name == "fraction":
@@ -75,6 +78,6 @@ class SelectionSchedule(keras.callbacks.Callback):
         engine.schedule_variable.assign(value)
         self._value = value
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if logs is not None and self._value is not None:
             logs["selection_schedule"] = self._value

@@ -1,5 +1,7 @@
 """`Sharpness`: logs the top Hessian eigenvalue of the loss during `fit`."""
 
+from __future__ import annotations
+
 from typing import Any
 
 from keras_tapeops import second_order
@@ -56,7 +58,7 @@ class Sharpness(EpochMeasure):
         self.seed = second_order._check_seed(seed)
         self.tolerance = validation.non_negative_number(tolerance, "tolerance")
 
-    def measure(self):
+    def measure(self) -> float:
         """Returns `kt.top_hessian_eigenvalue` of the model's loss on `data`."""
         return second_order.top_hessian_eigenvalue(
             self.model,
@@ -66,7 +68,7 @@ class Sharpness(EpochMeasure):
             tolerance=self.tolerance,
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The arguments; `data` is held by reference (not JSON-serializable)."""
         return {
             "data": self.data,
