@@ -54,7 +54,7 @@ _ZERO = tf.UnconnectedGradients.ZERO
 
 def input_derivatives(
     fn: Callable[[Any], Any], x: Any, order: int = 1, mode: str = "auto",
-    mixed: Sequence[tuple[int, int]] | None = None, diagonal: Any = None,
+    mixed: Sequence[Sequence[int]] | None = None, diagonal: Any = None,
 ) -> tuple[tf.Tensor, ...]:
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.
 

@@ -16,9 +16,15 @@ dtype. Several inputs (`inputs=`) are perturbed jointly: the L2 norm is
 taken per example over all of them together.
 """
 
+from __future__ import annotations
+
+from typing import Callable
+from typing import Sequence
+from typing import TYPE_CHECKING
 import numbers
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops._keras import private
@@ -28,6 +34,10 @@ from keras_tapeops.attacks import objectives
 from keras_tapeops.attacks.inputs import select_inputs
 from keras_tapeops.attacks.inputs import validate_inputs
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 NORMS = ("inf", "l2")
 _TINY = 1e-12  # L2 normalization guard: a zero gradient gives a zero step
@@ -101,7 +111,10 @@ class Attack(ConfigRepr):
         objective = objectives.loss_objective(model, self.loss, y)
         return self.perturb(model, x, objective, step=0)
 
-    def perturb(self, model, x, objective, step, gather_batch_sizes=True):
+    def perturb(
+        self, model: keras.Model, x: Nested, objective: Callable[[Nested], tf.Tensor],
+        step: int | tf.Tensor, gather_batch_sizes: bool = True,
+    ) -> Nested:
         """Runs the attack on `x` for an arbitrary objective to maximize.
 
         Args:
@@ -168,7 +181,7 @@ class Attack(ConfigRepr):
         deltas = self.project([m - c for m, c in zip(moved, clean)])
         return self._clip([c + d for c, d in zip(clean, deltas)])
 
-    def project(self, deltas):
+    def project(self, deltas: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Projects perturbations onto the `epsilon` ball (per example, jointly)."""
         if self.norm == "inf":
             return [tf.clip_by_value(d, -self.epsilon, self.epsilon) for d in deltas]
@@ -183,7 +196,7 @@ class Attack(ConfigRepr):
         return [tf.clip_by_value(p, low, high) for p in points]
 
     # ------------------------------------------------------------- config
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "epsilon": self.epsilon,
             "step_size": self.step_size,
@@ -197,7 +210,7 @@ class Attack(ConfigRepr):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["loss"] = objectives.deserialize_loss(config.get("loss"))
         if isinstance(config.get("clip"), list):

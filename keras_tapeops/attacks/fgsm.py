@@ -1,5 +1,7 @@
 """`FGSM`: one gradient step (Goodfellow et al. 2015), with a random start (Wong et al. 2020)."""
 
+from __future__ import annotations
+
 from typing import Any
 
 from keras_tapeops import validation
@@ -55,7 +57,7 @@ class FGSM(Attack):
             clip=clip, inputs=inputs, loss=loss, seed=seed,
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         del config["steps"]
         return config

@@ -1,5 +1,8 @@
 """`evaluate_robustness`: clean and adversarial loss and accuracy of a classifier."""
 
+from __future__ import annotations
+
+from typing import Any
 import weakref
 
 import keras
@@ -11,10 +14,14 @@ from keras_tapeops import replicas
 from keras_tapeops import second_order
 from keras_tapeops import validation
 from keras_tapeops.attacks import objectives
+from keras_tapeops.attacks.base import Attack
 from keras_tapeops.attacks.base import check_attack
 
 
-def evaluate_robustness(model, data, attack, batch_size=None):
+def evaluate_robustness(
+    model: keras.Model, data: tf.data.Dataset | tuple[Any, ...], attack: Attack,
+    batch_size: int | None = None,
+) -> dict[str, float]:
     """Returns clean and robust (under `attack`) loss and accuracy over `data`.
 
     Each batch is attacked at the model's current weights (inference mode),

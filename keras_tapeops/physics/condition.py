@@ -1,5 +1,8 @@
 """`ConditionLoss`: the mean squared mismatch of the model with given values on given points."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numbers
 from typing import Any
 
@@ -12,6 +15,10 @@ from keras_tapeops.physics import replicas
 from keras_tapeops.physics.points_term import PointsTerm
 from keras_tapeops.physics.samplers import FixedPoints
 from keras_tapeops.registration import register
+from keras_tapeops.terms.base import TermContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -65,7 +72,7 @@ class ConditionLoss(PointsTerm):
         super().__init__(points, weight=weight, name=name, in_validation=in_validation)
         self.values = _check_values(values, self.sampler)
 
-    def call(self, context):
+    def call(self, context: TermContext) -> tf.Tensor:
         """The mean squared mismatch at this step's points (float32 scalar)."""
         points, indices, count = self.step_points(context)
         predicted = tf.cast(self.model_fn(context)(points), "float32")
@@ -82,7 +89,7 @@ class ConditionLoss(PointsTerm):
             target = target[:, None]
         return self.mean_square(predicted - target, count)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         values = self.values
         if callable(values):
@@ -95,7 +102,7 @@ class ConditionLoss(PointsTerm):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         values = config["values"]
         if isinstance(values, dict) and "array" in values:

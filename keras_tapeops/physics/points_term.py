@@ -6,13 +6,28 @@ points among replicas (`keras_tapeops.physics.replicas`), and reduce squared
 residuals to a mean. This class holds what they share.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import TYPE_CHECKING
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops._keras import private
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.physics import replicas
 from keras_tapeops.physics.samplers import as_sampler
+from keras_tapeops.physics.samplers import Sampler
 from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class PointsTerm(Term):
@@ -29,16 +44,19 @@ class PointsTerm(Term):
 
     points_argument = "points"
 
-    def __init__(self, sampler, weight=1.0, name=None, in_validation=False):
+    def __init__(
+        self, sampler: Sampler | Any, weight: Weight = 1.0, name: str | None = None,
+        in_validation: bool = False,
+    ) -> None:
         super().__init__(weight=weight, name=name, in_validation=in_validation)
         setattr(self, self.points_argument, as_sampler(sampler, self.points_argument))
 
     @property
-    def sampler(self):
+    def sampler(self) -> Sampler:
         """The `Sampler` the term draws its points from."""
         return getattr(self, self.points_argument)
 
-    def bind(self, model, tree=None):
+    def bind(self, model: keras.Model, tree: LayerTree | None = None) -> None:
         """Checks the model takes one input of the sampler's dimension (if known)."""
         super().bind(model, tree)
         inputs = getattr(model, "inputs", None) if model.built else None
@@ -59,7 +77,9 @@ class PointsTerm(Term):
                 )
         return None
 
-    def step_points(self, context):
+    def step_points(
+        self, context: TermContext
+    ) -> tuple[tf.Tensor, tf.Tensor | None, int]:
         """This replica's points at the current step, their indices and `R`.
 
         Returns:
@@ -72,7 +92,7 @@ class PointsTerm(Term):
         indices, count = replicas.replica_share(self.sampler.n)
         return replicas.take(every, indices), indices, count
 
-    def model_fn(self, context):
+    def model_fn(self, context: TermContext) -> Callable[[tf.Tensor], Nested]:
         """The model as a function of points: `training` as in the step."""
         model = context.model
 
@@ -81,7 +101,9 @@ class PointsTerm(Term):
 
         return fn
 
-    def mean_square(self, residual, count):
+    def mean_square(
+        self, residual: tf.Tensor | Sequence[tf.Tensor], count: int | tf.Tensor
+    ) -> tf.Tensor:
         """The mean over all replicas' points of `residual**2`, this replica's part.
 
         Args:
@@ -109,13 +131,13 @@ class PointsTerm(Term):
             )
         return tf.add_n(total)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config[self.points_argument] = keras.saving.serialize_keras_object(self.sampler)
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         key = cls.points_argument
         config[key] = keras.saving.deserialize_keras_object(config[key])

@@ -1,10 +1,14 @@
 """`PDEResidual`: the mean squared residual of a differential equation on collocation points."""
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Callable
 from typing import Sequence
+from typing import TYPE_CHECKING
 
 import keras
+import tensorflow as tf
 
 from keras_tapeops import selectors
 from keras_tapeops import validation
@@ -15,6 +19,10 @@ from keras_tapeops.derivatives import check_order
 from keras_tapeops.derivatives import input_derivatives
 from keras_tapeops.physics.points_term import PointsTerm
 from keras_tapeops.registration import register
+from keras_tapeops.terms.base import TermContext
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -103,7 +111,7 @@ class PDEResidual(PointsTerm):
             diagonal = list(check_diagonal(diagonal, self.order, self.sampler.dim, pairs))
         self.diagonal = diagonal
 
-    def call(self, context):
+    def call(self, context: TermContext) -> tf.Tensor:
         """The mean squared residual at this step's points (float32 scalar)."""
         points, _, count = self.step_points(context)
         derivatives = input_derivatives(
@@ -113,7 +121,7 @@ class PDEResidual(PointsTerm):
         residual = self.residual_fn(points, *derivatives)
         return self.mean_square(residual, count)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update({
             "residual_fn": selectors.serialize_callable(
@@ -127,7 +135,7 @@ class PDEResidual(PointsTerm):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["residual_fn"] = keras.saving.deserialize_keras_object(config["residual_fn"])
         return super().from_config(config)

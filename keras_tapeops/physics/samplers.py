@@ -7,6 +7,9 @@ points on every replica, after a restart, and in a hand-written loop that
 calls it with the same step); `FixedPoints` returns the same array every step.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 import numbers
 from typing import Sequence
 from typing import Any
@@ -18,6 +21,9 @@ from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.registration import register
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 class Sampler(ConfigRepr):
     """Base class of collocation-point sources (`BoxSampler`, `FixedPoints`).
@@ -26,15 +32,16 @@ class Sampler(ConfigRepr):
     implement `sample(step)` and `get_config()`.
     """
 
-    n = None
-    dim = None
+    # Set by every subclass (None only on this base).
+    n: int = None  # type: ignore[assignment]
+    dim: int = None  # type: ignore[assignment]
 
-    def sample(self, step):
+    def sample(self, step: int | tf.Tensor) -> tf.Tensor:
         """Returns the points of optimizer step `step`: float32 `(n, dim)`."""
         raise NotImplementedError(f"{type(self).__name__} must implement sample().")
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
 
@@ -93,12 +100,13 @@ class BoxSampler(Sampler):
         self.seed = _seed(seed)
         self.resample_every = validation.positive_int(resample_every, "resample_every")
 
+    # A property over the base's class attribute: the length of `low`.
     @property
-    def dim(self):
+    def dim(self) -> int:  # type: ignore[override]
         """Coordinates per point (the length of `low`)."""
         return len(self.low)
 
-    def sample(self, step):
+    def sample(self, step: int | tf.Tensor) -> tf.Tensor:
         """Returns the `(n, dim)` float32 points of optimizer step `step`.
 
         Args:
@@ -117,7 +125,7 @@ class BoxSampler(Sampler):
         high = tf.constant(self.high, "float32")
         return low + (high - low) * unit
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "low": list(self.low), "high": list(self.high), "n": self.n,
             "seed": self.seed, "resample_every": self.resample_every,
@@ -170,11 +178,11 @@ class FixedPoints(Sampler):
         self.points = array
         self.n, self.dim = array.shape
 
-    def sample(self, step):
+    def sample(self, step: int | tf.Tensor) -> tf.Tensor:
         """Returns the points (a float32 constant); `step` is ignored."""
         return tf.constant(self.points)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"points": self.points.tolist()}
 
     def __repr__(self):

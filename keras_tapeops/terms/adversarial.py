@@ -6,6 +6,11 @@ weights, with the model in inference mode, and hold `x_adv` constant
 pass on `x_adv` (run with the step's `training` flag, like the clean pass).
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import TYPE_CHECKING
+
 import keras
 import tensorflow as tf
 
@@ -14,16 +19,22 @@ from keras_tapeops import replicas
 from keras_tapeops import validation
 from keras_tapeops.attacks import noise
 from keras_tapeops.attacks import objectives
+from keras_tapeops.attacks.base import Attack
 from keras_tapeops.attacks.base import check_attack
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import deserialize_weight
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class _AttackTerm(Term):
     """A term holding an attack: its config and the step key of its random start."""
 
-    def __init__(self, attack, weight, name, in_validation):
+    def __init__(self, attack: Attack, weight: Weight, name: str, in_validation: bool) -> None:
         self.attack = check_attack(attack)
         super().__init__(weight=weight, name=name, in_validation=in_validation)
 
@@ -37,13 +48,13 @@ class _AttackTerm(Term):
             gather_batch_sizes=whole_batch,
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["attack"] = keras.saving.serialize_keras_object(self.attack)
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["attack"] = keras.saving.deserialize_keras_object(config["attack"])
         return super().from_config(config)
@@ -87,7 +98,10 @@ class AdversarialLoss(_AttackTerm):
     ```
     """
 
-    def __init__(self, attack, weight=1.0, name="adversarial_loss", in_validation=False):
+    def __init__(
+        self, attack: Attack, weight: Weight = 1.0, name: str = "adversarial_loss",
+        in_validation: bool = False,
+    ) -> None:
         super().__init__(attack, weight, name, in_validation)
 
     def call(self, context):
@@ -139,8 +153,9 @@ class TRADES(_AttackTerm):
     """
 
     def __init__(
-        self, attack, beta=6.0, from_logits=True, name="trades", in_validation=False
-    ):
+        self, attack: Attack, beta: float = 6.0, from_logits: bool = True, name: str = "trades",
+        in_validation: bool = False,
+    ) -> None:
         check_attack(attack)
         if not attack.random_start:
             raise ValueError(
@@ -155,10 +170,10 @@ class TRADES(_AttackTerm):
         super().__init__(attack, beta, name, in_validation)
 
     @property
-    def beta(self):
+    def beta(self) -> float:
         return self.weight
 
-    def call(self, context):
+    def call(self, context: TermContext) -> tf.Tensor:
         model = context.model
         if tf.nest.is_nested(context.y_pred):
             raise ValueError(
@@ -204,7 +219,7 @@ class TRADES(_AttackTerm):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["attack"] = keras.saving.deserialize_keras_object(config["attack"])
         config["beta"] = deserialize_weight(config["beta"])

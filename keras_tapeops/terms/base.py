@@ -5,6 +5,8 @@ task loss. The step adds `weight * value` to the loss and logs `weight * value`
 under the term's `name` (epoch sample-weighted mean, like `loss`).
 """
 
+from __future__ import annotations
+
 import numbers
 from typing import Any
 from typing import TypeVar
@@ -16,6 +18,8 @@ import tensorflow as tf
 from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.paths import LayerTree
+from keras_tapeops.typing_aliases import Nested
 
 
 #: A term's weight: a number, a LearningRateSchedule or a callable step -> number.
@@ -36,8 +40,9 @@ class TermContext:
     """
 
     def __init__(
-        self, model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool,
-        activations: dict[int, list[Any]], input_tape: Any = None, watched_inputs: Any = None,
+        self, model: keras.Model, x: Nested, y: Nested, y_pred: Nested, sample_weight: Nested,
+        training: bool, activations: dict[int, list[Any]],
+        input_tape: tf.GradientTape | None = None, watched_inputs: Any = None,
     ) -> None:
         self.model = model
         self.x = x
@@ -50,7 +55,7 @@ class TermContext:
         self._watched_inputs = watched_inputs
         self.state: Any = None
 
-    def activations(self, layer):
+    def activations(self, layer: keras.layers.Layer) -> list[tf.Tensor]:
         """Returns the list of output tensors `layer` produced in this forward pass.
 
         Every call of the layer counts, and a layer with several outputs
@@ -72,7 +77,7 @@ class TermContext:
             )
         return list(self._activations[id(layer)])
 
-    def input_gradients(self, target=None):
+    def input_gradients(self, target: tf.Tensor | None = None) -> Nested:
         """Gradient of `target` (default: sum of all outputs) w.r.t. the inputs.
 
         Available when the term sets `needs_input_gradients = True`; the
@@ -141,7 +146,7 @@ class Term(ConfigRepr):
         self.name = name
         self.in_validation = validation.boolean(in_validation, "in_validation")
 
-    def bind(self, model: Any, tree: Any = None) -> Any:
+    def bind(self, model: keras.Model, tree: LayerTree | None = None) -> Any:
         """Resolves what the term needs from `model`; returns this model's state.
 
         Raises ValueError (before any weight changes) if the model lacks

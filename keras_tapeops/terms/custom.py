@@ -1,12 +1,25 @@
 """`LossTerm`: a user function `fn(model, x, y, y_pred) -> scalar` added to the loss."""
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import TYPE_CHECKING
+
 import keras
 import tensorflow as tf
 
 from keras_tapeops import paths
 from keras_tapeops import selectors
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -61,7 +74,10 @@ class LossTerm(Term):
 
     layers = None  # the layer paths whose outputs `fn` receives (see `layers=`)
 
-    def __init__(self, fn, weight=1.0, name=None, in_validation=True, layers=None):
+    def __init__(
+        self, fn: Callable[..., Any], weight: Weight = 1.0, name: str | None = None,
+        in_validation: bool = True, layers: Sequence[str | keras.layers.Layer] | None = None,
+    ) -> None:
         if not callable(fn):
             raise TypeError(
                 "`fn` must be a callable fn(model, x, y, y_pred) -> scalar. "
@@ -84,7 +100,9 @@ class LossTerm(Term):
         if layers is not None:  # an instance attribute only when given (repr, config)
             self.layers = list(layers)
 
-    def bind(self, model, tree=None):
+    def bind(
+        self, model: keras.Model, tree: LayerTree | None = None
+    ) -> tuple[keras.layers.Layer, ...]:
         """Checks the weight and finds `layers` in `model`; returns them (a tuple)."""
         super().bind(model, tree)
         if not self.layers:
@@ -100,10 +118,10 @@ class LossTerm(Term):
                 ) from None
         return tuple(found)
 
-    def layers_to_capture(self, state):
+    def layers_to_capture(self, state: Any) -> list[Any]:
         return list(state or ())
 
-    def call(self, context):
+    def call(self, context: TermContext) -> tf.Tensor:
         outputs = []
         for path, layer in zip(self.layers or (), context.state or ()):
             tensors = context.activations(layer)
@@ -123,7 +141,7 @@ class LossTerm(Term):
             )
         return tf.cast(value, "float32")
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["fn"] = selectors.serialize_callable(
             self.fn, "fn", owner=f"LossTerm {self.name!r}"
@@ -133,7 +151,7 @@ class LossTerm(Term):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         config["fn"] = keras.saving.deserialize_keras_object(config["fn"])
         return super().from_config(config)
