@@ -321,7 +321,10 @@ def compile_signature(compile_method: Callable[..., Any]) -> inspect.Signature:
         )
         for option in OPTIONS
     ]
-    return inspect.Signature(parameters + options + [var_keyword])
+    return inspect.Signature(
+        parameters + options + [var_keyword],
+        return_annotation=inspect.signature(compile_method).return_annotation,
+    )
 
 
 def _check_term_names(terms):

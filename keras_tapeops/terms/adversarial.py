@@ -104,7 +104,7 @@ class AdversarialLoss(_AttackTerm):
     ) -> None:
         super().__init__(attack, weight, name, in_validation)
 
-    def call(self, context):
+    def call(self, context: TermContext) -> tf.Tensor:
         model = context.model
         objective = objectives.loss_objective(model, self.attack.loss, context.y)
         x_adv = self._perturb(context, objective)
@@ -212,7 +212,7 @@ class TRADES(_AttackTerm):
                 f"from_logits={compiled}. Received: from_logits={self.from_logits}"
             )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config["beta"] = config.pop("weight")
         config["from_logits"] = self.from_logits
