@@ -10,6 +10,13 @@ to true gradients (unscaled, summed over replicas) as in
 them for `tf.distribute` and mixed precision.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
+from typing import TYPE_CHECKING
+
 import keras
 import tensorflow as tf
 
@@ -23,6 +30,11 @@ from keras_tapeops.registration import register
 from keras_tapeops.registration import serialize_all
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import apply_in_order
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _STOCK_COMPILE_KWARGS = ("run_eagerly", "steps_per_execution", "jit_compile", "auto_scale_loss")
 
@@ -83,15 +95,15 @@ class GAN(keras.Model):
 
     def __init__(
         self,
-        generator,
-        discriminator,
-        latent_dim,
-        loss="non_saturating",
-        discriminator_steps=1,
-        gradient_penalty=None,
-        conditional=False,
-        **kwargs,
-    ):
+        generator: keras.Model,
+        discriminator: keras.Model,
+        latent_dim: int,
+        loss: str = "non_saturating",
+        discriminator_steps: int = 1,
+        gradient_penalty: DiscriminatorPenalty | None = None,
+        conditional: bool = False,
+        **kwargs: Any,
+    ) -> None:
         role = self._role
         _check_model(generator, "generator")
         _check_model(discriminator, role)
@@ -123,7 +135,7 @@ class GAN(keras.Model):
         setattr(self, f"{role}_loss_tracker", keras.metrics.Mean(name=f"{role}_loss"))
         self.generator_loss_tracker = keras.metrics.Mean(name="generator_loss")
         self.gradient_penalty_tracker = keras.metrics.Mean(name="gradient_penalty")
-        self.generator_optimizer = None
+        self.generator_optimizer: keras.optimizers.Optimizer = None  # set by compile()
         setattr(self, f"{role}_optimizer", None)
         self._generator_transforms = ()
         self._bound_generator_transforms = ()
@@ -154,19 +166,19 @@ class GAN(keras.Model):
             self._discriminator(self.generator(keras.Input((self.latent_dim,))))
         self.built = True
 
-    def call(self, inputs, training=False):
+    def call(self, inputs: Nested, training: bool = False) -> Nested:
         """Returns `generator(inputs)`: generated samples."""
         return self.generator(inputs, training=training)
 
     # ----------------------------------------------------------------- compile
     def compile(
         self,
-        generator_optimizer=None,
-        discriminator_optimizer=None,
-        generator_gradient_transforms=None,
-        discriminator_gradient_transforms=None,
-        **kwargs,
-    ):
+        generator_optimizer: keras.optimizers.Optimizer | str | dict[str, Any] | None = None,
+        discriminator_optimizer: keras.optimizers.Optimizer | str | dict[str, Any] | None = None,
+        generator_gradient_transforms: Sequence[GradientTransform] | None = None,
+        discriminator_gradient_transforms: Sequence[GradientTransform] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Configures training: each player's optimizer and gradient transforms.
 
         Args:
@@ -249,11 +261,11 @@ class GAN(keras.Model):
                 return cls.__name__
         return type(self).__name__
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         self.build_optimizers()
         return super().make_train_function(force=force)
 
-    def build_optimizers(self):
+    def build_optimizers(self) -> None:
         """Creates both optimizers' variables (in the model's strategy scope).
 
         Keras builds only `model.optimizer` before the first step; variables
@@ -268,17 +280,17 @@ class GAN(keras.Model):
                     optimizer.build(player.trainable_variables)
 
     @property
-    def generator_gradient_transforms(self):
+    def generator_gradient_transforms(self) -> tuple[GradientTransform, ...]:
         """The generator's compiled gradient transforms (a tuple)."""
         return self._generator_transforms
 
     @property
-    def discriminator_gradient_transforms(self):
+    def discriminator_gradient_transforms(self) -> tuple[GradientTransform, ...]:
         """The discriminator's compiled gradient transforms (a tuple)."""
         return getattr(self, f"_{self._role}_transforms")
 
     @property
-    def metrics(self):
+    def metrics(self) -> list[keras.metrics.Metric]:
         trackers = [self._discriminator_tracker, self.generator_loss_tracker]
         if self.gradient_penalty is not None:
             trackers.append(self.gradient_penalty_tracker)
@@ -297,7 +309,7 @@ class GAN(keras.Model):
             )
         return real, labels
 
-    def train_step(self, data):
+    def train_step(self, data: Nested) -> dict[str, tf.Tensor]:
         real, labels = self._unpack(data)
         n = replicas.batch_size(real)
         discriminator_losses, penalties = [], []
@@ -317,7 +329,7 @@ class GAN(keras.Model):
             _unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
-    def test_step(self, data):
+    def test_step(self, data: Nested) -> dict[str, tf.Tensor]:
         real, labels = self._unpack(data)
         n = replicas.batch_size(real)
         loss, penalty = self.discriminator_losses(real, 0, False, labels)
@@ -329,7 +341,9 @@ class GAN(keras.Model):
             _unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
-    def discriminator_train_step(self, real, step, labels=None):
+    def discriminator_train_step(
+        self, real: Nested, step: int, labels: Nested = None
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         """One discriminator update; returns the (unscaled) `(loss, penalty)`."""
         optimizer = self._discriminator_optimizer
         variables = self._discriminator.trainable_variables
@@ -340,7 +354,7 @@ class GAN(keras.Model):
         self.apply_discriminator_gradients(grads, variables)
         return loss, penalty
 
-    def generator_train_step(self, real, labels=None):
+    def generator_train_step(self, real: Nested, labels: Nested = None) -> tf.Tensor:
         """One generator update; returns the (unscaled) generator loss."""
         variables = self.generator.trainable_variables
         with tf.GradientTape() as tape:
@@ -352,7 +366,9 @@ class GAN(keras.Model):
         _apply(self.generator_optimizer, self._bound_generator_transforms, grads, variables)
         return loss
 
-    def discriminator_losses(self, real, step, training, labels=None):
+    def discriminator_losses(
+        self, real: Nested, step: int, training: bool, labels: Nested = None
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         """Returns `(loss, penalty)` (float32; penalty None without one) for fresh noise."""
         fake = self.generator(self._generator_input(real, step, labels), training=training)
         fake_logits = self._discriminate(fake, labels, training)
@@ -371,7 +387,9 @@ class GAN(keras.Model):
                         "float32")
         return loss + tf.cast(penalty.weight, "float32") * value, value
 
-    def generator_objective(self, real, training, labels=None):
+    def generator_objective(
+        self, real: Nested, training: bool, labels: Nested = None
+    ) -> tf.Tensor:
         """Returns the generator's loss (float32) for fresh noise."""
         step = self._discriminator_steps
         fake = self.generator(self._generator_input(real, step, labels), training=training)
@@ -388,7 +406,7 @@ class GAN(keras.Model):
         return self._discriminator(inputs, training=training)
 
     # ---------------------------------------------------- overridable hooks
-    def sample_latent(self, batch_size):
+    def sample_latent(self, batch_size: int | tf.Tensor) -> tf.Tensor:
         """Latent vectors for one update: `N(0, 1)` of shape `(batch_size, latent_dim)`.
 
         Called once per discriminator update and once per generator update.
@@ -402,7 +420,7 @@ class GAN(keras.Model):
         """
         return tf.random.normal([batch_size, self.latent_dim])
 
-    def discriminator_loss(self, real_logits, fake_logits):
+    def discriminator_loss(self, real_logits: tf.Tensor, fake_logits: tf.Tensor) -> tf.Tensor:
         """The discriminator's loss (the penalty is added after), a scalar.
 
         Default: the `loss` given to the constructor (see `kt.gan.losses`).
@@ -414,7 +432,7 @@ class GAN(keras.Model):
         """
         return losses.discriminator_loss(self.adversarial_loss, real_logits, fake_logits)
 
-    def generator_loss(self, fake_logits):
+    def generator_loss(self, fake_logits: tf.Tensor) -> tf.Tensor:
         """The generator's loss from the discriminator's output on generated samples."""
         return losses.generator_loss(self.adversarial_loss, fake_logits)
 
@@ -430,7 +448,9 @@ class GAN(keras.Model):
     def _generator_loss_of(self, fake_logits):
         return self.generator_loss(fake_logits)
 
-    def apply_discriminator_gradients(self, grads, variables):
+    def apply_discriminator_gradients(
+        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
+    ) -> None:
         """Applies the discriminator's gradients, through its transforms if any.
 
         As in `TapeOpsMixin.apply_optimizer_step`: the transforms see true
@@ -441,7 +461,7 @@ class GAN(keras.Model):
                grads, variables)
 
     # ------------------------------------------------------------------ saving
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         penalty = self.gradient_penalty
         return {
             "name": self.name,
@@ -457,14 +477,14 @@ class GAN(keras.Model):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         for key in ("generator", "discriminator", "gradient_penalty"):
             if config.get(key) is not None:
                 config[key] = keras.saving.deserialize_keras_object(config[key])
         return cls(**config)
 
-    def get_compile_config(self):
+    def get_compile_config(self) -> dict[str, Any]:
         if not self.compiled or self.generator_optimizer is None:
             return {}
         role = self._role
@@ -484,7 +504,7 @@ class GAN(keras.Model):
         config.update(self._gan_compile_kwargs)
         return config
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         config = dict(config)
         for key in ("generator_optimizer", f"{self._role}_optimizer"):
             config[key] = keras.saving.deserialize_keras_object(config[key])

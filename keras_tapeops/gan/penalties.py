@@ -8,12 +8,22 @@ adds `weight * value` to the discriminator loss and logs the value as
 receives already holds the labels: gradients are taken w.r.t. the samples only.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.penalty import gradient_penalty
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class DiscriminatorPenalty(ConfigRepr):
@@ -40,17 +50,20 @@ class DiscriminatorPenalty(ConfigRepr):
     interpolates = False
     weight = 1.0
 
-    def __call__(self, discriminator, real, fake, alpha=None, training=True):
+    def __call__(
+        self, discriminator: Callable[..., Any], real: Nested, fake: Nested,
+        alpha: tf.Tensor | None = None, training: bool = True,
+    ) -> tf.Tensor:
         raise NotImplementedError(
             f"{type(self).__name__} must implement "
             "__call__(discriminator, real, fake, alpha=None, training=True)."
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement get_config().")
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         return cls(**config)
 
 
@@ -69,14 +82,18 @@ class R1Penalty(DiscriminatorPenalty):
     ```
     """
 
-    def __init__(self, gamma=10.0):
+    def __init__(self, gamma: float = 10.0) -> None:
         self.gamma = validation.non_negative_number(gamma, "gamma")
 
+    # A property over the base's class attribute: gamma / 2.
     @property
-    def weight(self):
+    def weight(self) -> float:  # type: ignore[override]
         return self.gamma / 2.0
 
-    def __call__(self, discriminator, real, fake=None, alpha=None, training=True):
+    def __call__(
+        self, discriminator: Callable[..., Any], real: Nested, fake: Nested = None,
+        alpha: tf.Tensor | None = None, training: bool = True,
+    ) -> tf.Tensor:
         flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(real)]
         with tf.GradientTape() as tape:
             tape.watch(flat)
@@ -93,7 +110,7 @@ class R1Penalty(DiscriminatorPenalty):
             )
         return tf.reduce_mean(tf.add_n(squared))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"gamma": self.gamma}
 
 
@@ -118,14 +135,17 @@ class WGANGradientPenalty(DiscriminatorPenalty):
 
     interpolates = True
 
-    def __init__(self, weight=10.0, target=1.0):
+    def __init__(self, weight: float = 10.0, target: float = 1.0) -> None:
         self.weight = validation.non_negative_number(weight, "weight")
         self.target = validation.non_negative_number(target, "target")
 
-    def __call__(self, discriminator, real, fake, alpha=None, training=True):
+    def __call__(
+        self, discriminator: Callable[..., Any], real: Nested, fake: Nested,
+        alpha: tf.Tensor | None = None, training: bool = True,
+    ) -> tf.Tensor:
         return gradient_penalty(
             discriminator, real, fake, alpha=alpha, target=self.target, training=training
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"weight": self.weight, "target": self.target}

@@ -6,6 +6,12 @@ It keeps its own names (`critic`, `critic_steps`, `gp_weight`,
 saved files; the step is `GAN`'s.
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Sequence
+from typing import TYPE_CHECKING
+
 import keras
 import tensorflow as tf
 
@@ -15,6 +21,12 @@ from keras_tapeops.gan.model import GAN
 from keras_tapeops.gan.penalties import WGANGradientPenalty
 from keras_tapeops import replicas
 from keras_tapeops.registration import register
+from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -61,8 +73,9 @@ class WGANGP(GAN):
     _transform_arguments = (None, "gradient_transforms")
 
     def __init__(
-        self, generator, critic, latent_dim, critic_steps=5, gp_weight=10.0, **kwargs
-    ):
+        self, generator: keras.Model, critic: keras.Model, latent_dim: int,
+        critic_steps: int = 5, gp_weight: float = 10.0, **kwargs: Any,
+    ) -> None:
         gp_weight = validation.non_negative_number(gp_weight, "gp_weight")
         super().__init__(
             generator, critic, latent_dim, loss="wasserstein",
@@ -71,13 +84,14 @@ class WGANGP(GAN):
         )
         self.gp_weight = gp_weight
 
-    def compile(
+    # Its own arguments (the critic's), kept from before it shared `kt.GAN`'s step.
+    def compile(  # type: ignore[override]
         self,
-        generator_optimizer=None,
-        critic_optimizer=None,
-        gradient_transforms=None,
-        **kwargs,
-    ):
+        generator_optimizer: keras.optimizers.Optimizer | str | dict[str, Any] | None = None,
+        critic_optimizer: keras.optimizers.Optimizer | str | dict[str, Any] | None = None,
+        gradient_transforms: Sequence[GradientTransform] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Configures training.
 
         Args:
@@ -99,44 +113,62 @@ class WGANGP(GAN):
                               gradient_transforms, kwargs)
 
     @property
-    def gradient_transforms(self):
+    def gradient_transforms(self) -> tuple[GradientTransform, ...]:
         """The critic's compiled gradient transforms (a tuple)."""
         return self._critic_transforms
 
     # WGANGP's own names of the shared step's pieces (an override of one of
     # them changes the step, as before WGANGP shared it).
-    def discriminator_train_step(self, real, step, labels=None):
+    def discriminator_train_step(
+        self, real: Nested, step: int, labels: Nested = None
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         return self.critic_train_step(real, step)
 
-    def critic_train_step(self, real, step):
+    def critic_train_step(self, real: Nested, step: int) -> tuple[tf.Tensor, tf.Tensor | None]:
         """One critic update; returns the (unscaled) `(critic_loss, penalty)`."""
         return GAN.discriminator_train_step(self, real, step)
 
-    def discriminator_losses(self, real, step, training, labels=None):
+    def discriminator_losses(
+        self, real: Nested, step: int, training: bool, labels: Nested = None
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         return self.critic_losses(real, step, training)
 
-    def critic_losses(self, real, step, training):
+    def critic_losses(
+        self, real: Nested, step: int, training: bool
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         """Returns `(critic_loss, penalty)` (float32) for `real` and fresh noise."""
         return GAN.discriminator_losses(self, real, step, training)
 
-    def generator_objective(self, real, training, labels=None):
+    def generator_objective(
+        self, real: Nested, training: bool, labels: Nested = None
+    ) -> tf.Tensor:
         return self.generator_loss(real, training)
 
-    def generator_loss(self, real, training):
+    # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
+    def generator_loss(  # type: ignore[override]
+        self, real: Nested, training: bool
+    ) -> tf.Tensor:
         """Returns `-mean(critic(generator(z)))` (float32) for fresh noise."""
         return GAN.generator_objective(self, real, training)
 
     def _generator_loss_of(self, fake_logits):
         return losses.generator_loss("wasserstein", fake_logits)
 
-    def apply_discriminator_gradients(self, grads, variables):
+    def apply_discriminator_gradients(
+        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
+    ) -> None:
         self.apply_critic_gradients(grads, variables)
 
-    def apply_critic_gradients(self, grads, variables):
+    def apply_critic_gradients(
+        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
+    ) -> None:
         """Applies the critic's gradients, through the gradient transforms if any."""
         GAN.apply_discriminator_gradients(self, grads, variables)
 
-    def sample_latent(self, real, step):
+    # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
+    def sample_latent(  # type: ignore[override]
+        self, real: Nested, step: int
+    ) -> tf.Tensor:
         """Latent vectors for one update: `N(0, 1)` of shape `(batch, latent_dim)`.
 
         Override for other priors or for deterministic tests.
@@ -150,7 +182,7 @@ class WGANGP(GAN):
         """
         return tf.random.normal([replicas.batch_size(real), self.latent_dim])
 
-    def sample_alpha(self, real, step):
+    def sample_alpha(self, real: Nested, step: int) -> tf.Tensor:
         """Interpolation weights of the penalty: `U[0, 1]` of shape `(batch,)`.
 
         Override for deterministic tests (same arguments as `sample_latent`).
@@ -164,7 +196,7 @@ class WGANGP(GAN):
         return self.sample_alpha(real, step)
 
     # ------------------------------------------------------------------ saving
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "trainable": self.trainable,
@@ -176,7 +208,7 @@ class WGANGP(GAN):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         for key in ("generator", "critic"):
             config[key] = keras.saving.deserialize_keras_object(config[key])
