@@ -14,6 +14,11 @@ the compiled metrics are computed on the query predictions at the adapted
 weights.
 """
 
+from __future__ import annotations
+
+from typing import Callable
+from typing import Sequence
+from typing import TYPE_CHECKING
 import warnings
 from typing import Any
 from typing import Optional
@@ -32,6 +37,10 @@ from keras_tapeops.meta.config import MetaConfig
 from keras_tapeops.meta.inner_optimizer import InnerSGD
 from keras_tapeops.meta.task_loss import TaskLoss
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @register
@@ -157,7 +166,7 @@ class MetaLearner(keras.Model):
         super().__init__(**kwargs)
         self.model = model
         self._meta_config = config
-        self._task_loss = None
+        self._task_loss: TaskLoss | None = None  # set by compile()
         learned: list = []
         if config.learn_inner_learning_rate:
             learned = rates_lib.create_learned_rates(
@@ -169,62 +178,65 @@ class MetaLearner(keras.Model):
 
     # ------------------------------------------------------------- options
     @property
-    def meta_config(self):
+    def meta_config(self) -> MetaConfig:
         """The learner's validated options (a `MetaConfig`)."""
         return self._meta_config
 
     @property
-    def inner_learning_rate(self):
+    def inner_learning_rate(self) -> float:
         return self._meta_config.inner_learning_rate
 
     @property
-    def inner_steps(self):
+    def inner_steps(self) -> int:
         return self._meta_config.inner_steps
 
     @property
-    def first_order(self):
+    def first_order(self) -> bool:
         return self._meta_config.first_order
 
     @property
-    def algorithm(self):
+    def algorithm(self) -> str:
         return self._meta_config.algorithm
 
     @property
-    def adapt_selector(self):
+    def adapt_selector(self) -> selectors.Selector:
         """The `adapt=` selector (None: every trainable variable is adapted)."""
         return self._meta_config.adapt
 
     @property
-    def learn_inner_learning_rate(self):
+    def learn_inner_learning_rate(self) -> bool:
         return self._meta_config.learn_inner_learning_rate
 
     @property
-    def inner_batch_size(self):
+    def inner_batch_size(self) -> int | None:
         """None (whole support set) or the inner mini-batch size."""
         return self._meta_config.inner_batch_size
 
     @property
-    def inner_optimizer(self):
+    def inner_optimizer(self) -> InnerSGD | None:
         """None (plain SGD) or the `kt.meta.InnerSGD` of the inner loop."""
         return self._meta_config.inner_optimizer
 
     @property
-    def inner_training(self):
+    def inner_training(self) -> bool:
         """The `training` flag of the inner forward passes in `fit`."""
         return self._meta_config.inner_training
 
     @property
-    def inner_loss_reduction(self):
+    def inner_loss_reduction(self) -> str:
         """`"mean"` or `"sum"`: how a support mini-batch's losses are reduced."""
         return self._meta_config.inner_loss_reduction
 
     @property
-    def learned_rates(self):
+    def learned_rates(self) -> list[keras.Variable]:
         """Meta-SGD's rate variables, aligned with the adapted variables ([] otherwise)."""
         return list(self._learned_rates)
 
     # ------------------------------------------------------------- compile
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
+    def compile(
+        self, optimizer: keras.optimizers.Optimizer | str = "rmsprop", loss: Any = None,
+        metrics: Any = None, **kwargs: Any,
+    ) -> None:
         """Configures meta-training: everything stock `compile()` takes.
 
         Args:
@@ -262,21 +274,21 @@ class MetaLearner(keras.Model):
         # `compile_from_config` builds it) put each slot on another variable.
         self.build_optimizer()
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         config = keras.saving.deserialize_keras_object(config)
         # `compile()` creates the optimizer variables, so the saved states
         # load into them.
         self.compile(**config)
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         self.build_optimizer()
         return super().make_train_function(force=force)
 
-    def outer_variables(self):
+    def outer_variables(self) -> list[keras.Variable]:
         """What the outer optimizer updates: the model's trainable variables, then the rates."""
         return self.model.trainable_variables + self.learned_rates
 
-    def build_optimizer(self):
+    def build_optimizer(self) -> None:
         """Creates the optimizer's variables for `outer_variables()` (in the strategy scope).
 
         Always in that order (the order of its saved state: weights, then
@@ -289,14 +301,14 @@ class MetaLearner(keras.Model):
             if not self.optimizer.built:
                 self.optimizer.build(self.outer_variables())
 
-    def get_compile_config(self):
+    def get_compile_config(self) -> dict[str, Any] | None:
         # Stock (`compile()` records its arguments); declared because
         # `compile()` is overridden, which stops Keras from recompiling on load
         # unless both methods are.
         return super().get_compile_config()
 
     # ---------------------------------------------------------- the steps
-    def train_step(self, data):
+    def train_step(self, data: Nested) -> dict[str, Any]:
         tasks = tasks_lib.unpack_meta_batch(data)
         total = tf.cast(tasks_lib.global_count(tasks.count()), "float32")
         variables = self.outer_variables()
@@ -317,12 +329,12 @@ class MetaLearner(keras.Model):
         self.optimizer.apply_gradients(zip(grads, variables))
         return self._update_metrics(tasks, losses, y_pred)
 
-    def test_step(self, data):
+    def test_step(self, data: Nested) -> dict[str, Any]:
         tasks = tasks_lib.unpack_meta_batch(data)
         losses, y_pred = self.run_tasks(tasks, training=False)
         return self._update_metrics(tasks, losses, y_pred)
 
-    def call(self, inputs, training=False):
+    def call(self, inputs: Nested, training: bool = False) -> Nested:
         """Query predictions at the adapted weights, `(tasks, query_examples, ...)`.
 
         Args:
@@ -340,7 +352,10 @@ class MetaLearner(keras.Model):
         _, y_pred = self.run_tasks(tasks, training=training)
         return y_pred
 
-    def run_tasks(self, tasks, training, reptile=False, steps=None):
+    def run_tasks(
+        self, tasks: tasks_lib.Tasks, training: bool, reptile: bool = False,
+        steps: int | None = None,
+    ) -> tuple[Any, ...]:
         """Adapts to every task and evaluates its query set, vectorized over tasks.
 
         Reads the weights (and Meta-SGD rates) once, so an outer tape around
@@ -382,7 +397,9 @@ class MetaLearner(keras.Model):
             return None, self.map_tasks(one_task, tasks.as_tuple()[:3])
         return self.map_tasks(one_task, tasks.as_tuple())
 
-    def map_tasks(self, fn, elements):
+    def map_tasks(
+        self, fn: Callable[[tuple[Any, ...]], Nested], elements: Sequence[Nested]
+    ) -> Nested:
         """Runs the per-task computation `fn` over the task axis of `elements`.
 
         The default is `tf.vectorized_map` (all tasks at once as batched
@@ -409,7 +426,9 @@ class MetaLearner(keras.Model):
         )
 
     # ------------------------------------------------------------ adapt
-    def adapt(self, support_x, support_y, steps=None):
+    def adapt(
+        self, support_x: Nested, support_y: Nested, steps: int | None = None
+    ) -> keras.Model:
         """Returns a copy of the model at the weights adapted to one task.
 
         The learned weights (and the model) are unchanged: the copy
@@ -444,7 +463,9 @@ class MetaLearner(keras.Model):
             variable.assign(value)
         return clone
 
-    def adapted_weights(self, support_x, support_y, steps=None):
+    def adapted_weights(
+        self, support_x: Nested, support_y: Nested, steps: int | None = None
+    ) -> list[tf.Tensor]:
         """The adapted values of `model.trainable_variables` for one task (tensors).
 
         Same arguments as `adapt`; nothing is copied or written.
@@ -508,7 +529,7 @@ class MetaLearner(keras.Model):
             )
 
     # ------------------------------------------------------------ saving
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         with selectors.paths_relative_to(self.model):
             options = self._meta_config.get_config()
         return {
@@ -519,7 +540,7 @@ class MetaLearner(keras.Model):
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"))
         # A file saved before an option existed has no entry for it: the
