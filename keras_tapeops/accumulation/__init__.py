@@ -11,6 +11,12 @@
 - batch_norm.py: BatchNormalization moving statistics under micro-batching.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
 from keras_tapeops.accumulation.batch_norm import check_batch_norm_layers
 from keras_tapeops.accumulation.cross_batch import CrossBatchAccumulator
 from keras_tapeops.accumulation.cross_batch import window_gradients
@@ -21,7 +27,7 @@ from keras_tapeops.accumulation.reductions import check_compile_loss
 from keras_tapeops.accumulation.splitting import micro_batch_sizes
 
 
-def check_model(model, options):
+def check_model(model: keras.Model, options: Any) -> None:
     """Raises (before any step) if `model` cannot honour the accumulation options.
 
     Args:

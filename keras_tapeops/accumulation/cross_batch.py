@@ -38,21 +38,31 @@ The state is not saved with the model: it is reset at the start of every
 epoch and a partial window is applied at the end of it (see flush.py).
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
 import threading
 import weakref
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation.micro_batches import micro_batch_pass
 from keras_tapeops.replicas import batch_size
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import Nested
 
 # model -> {thread: (kind, normalizer tensor)} of the batch whose pass was just
 # traced (MirroredStrategy traces each replica's step in its own thread).
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def window_gradients(model, x, y, sample_weight):
+def window_gradients(
+    model: keras.Model, x: Nested, y: Nested, sample_weight: Nested
+) -> tuple[list[Gradient], Nested]:
     """One batch's gradient pass under `accumulation_steps` (micro-batched if asked).
 
     Returns what `TapeOpsMixin.batch_gradients` (or `micro_batch_gradients`)
@@ -127,7 +137,7 @@ class CrossBatchAccumulator:
     ```
     """
 
-    def __init__(self, model, steps):
+    def __init__(self, model: keras.Model, steps: int) -> None:
         self.steps = steps
         self.variables = list(model.trainable_weights)
         self.sums = [
@@ -144,10 +154,12 @@ class CrossBatchAccumulator:
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self.present = [True] * len(self.variables)
-        self._flush_function = None
+        self._flush_function: Callable[[], Any] | None = None
 
     # ------------------------------------------------------------ train step
-    def add(self, model, grads, n_samples):
+    def add(
+        self, model: keras.Model, grads: Sequence[Gradient], n_samples: int | tf.Tensor
+    ) -> None:
         """Adds one batch to the window and applies the window when it is full.
 
         Args:
@@ -260,11 +272,11 @@ class CrossBatchAccumulator:
         self.batches.assign(0.0)
 
     # ------------------------------------------------------------- epoch end
-    def pending_batches(self):
+    def pending_batches(self) -> int:
         """Batches in the current window (eager; 0 when empty)."""
         return int(round(float(self.batches.numpy())))
 
-    def flush(self, model):
+    def flush(self, model: keras.Model) -> bool:
         """Applies a partial window now (averaged over its samples), if any.
 
         Called eagerly between steps (end of epoch, before validation).
@@ -294,7 +306,7 @@ class CrossBatchAccumulator:
         self._flush_function()
         return True
 
-    def reset(self):
+    def reset(self) -> None:
         """Discards the current window (eager)."""
         self._reset()
 

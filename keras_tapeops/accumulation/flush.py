@@ -11,9 +11,14 @@ the samples it saw) as soon as the epoch's training batches are done: in
 `TapeOpsMixin.fit()` adds this callback itself; users never need to.
 """
 
+from __future__ import annotations
+
+from typing import Any
 import inspect
 
 import keras
+
+from keras_tapeops.typing_aliases import Logs
 
 
 class AccumulationFlush(keras.callbacks.Callback):
@@ -48,26 +53,28 @@ class AccumulationFlush(keras.callbacks.Callback):
         if accumulator is not None:
             accumulator.reset()
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         self._in_fit = True
         self._reset()
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         self._reset()
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: Logs = None) -> None:
         if self._in_fit:  # validation inside fit(); not a standalone evaluate()
             self._flush()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         self._flush()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Logs = None) -> None:
         self._flush()
         self._in_fit = False
 
 
-def add_flush_callback(model, args, kwargs):
+def add_flush_callback(
+    model: keras.Model, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Returns `fit()`'s `(args, kwargs)` with an `AccumulationFlush` first.
 
     Args:

@@ -26,6 +26,8 @@ micro-batch's activations are alive at a time. Gradients stay per replica
 once.
 """
 
+from __future__ import annotations
+
 import contextlib
 
 import keras
@@ -34,9 +36,13 @@ import tensorflow as tf
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation import splitting
 from keras_tapeops.accumulation.batch_norm import LargeBatchStatistics
+from keras_tapeops.typing_aliases import Gradient
+from keras_tapeops.typing_aliases import Nested
 
 
-def micro_batch_gradients(model, x, y, sample_weight, k):
+def micro_batch_gradients(
+    model: keras.Model, x: Nested, y: Nested, sample_weight: Nested, k: int
+) -> tuple[list[Gradient], Nested]:
     """Gradients of one batch computed over `k` micro-batches, one at a time.
 
     Args:

@@ -33,6 +33,9 @@ single kind (see `window_group`); other mixes are refused before any step.
 `None` / `"none"` (no reduction) has no normalizer and is refused.
 """
 
+from __future__ import annotations
+
+from typing import Any
 import collections
 import contextlib
 
@@ -95,7 +98,7 @@ def refuse_unreduced(option, value, name, reduction):
     )
 
 
-def check_compile_loss(options, loss):
+def check_compile_loss(options: Any, loss: Any) -> None:
     """Refuses at `compile()` what accumulation cannot make exact, seen from `loss`.
 
     Catches an unreduced loss (`reduction=None` or `"none"`) with

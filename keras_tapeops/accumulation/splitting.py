@@ -8,10 +8,12 @@ micro-batch `i` with a static-size index: this is what lets XLA
 (`jit_compile=True`) compile the loop, since slice sizes must be constants.
 """
 
+from __future__ import annotations
+
 import tensorflow as tf
 
 
-def micro_batch_sizes(n, k):
+def micro_batch_sizes(n: int, k: int) -> list[int]:
     """The micro-batch sizes for a batch of `n` samples split `k` ways (Python ints).
 
     Args:

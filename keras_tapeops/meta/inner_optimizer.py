@@ -11,6 +11,10 @@ rates), never a second number here. The velocities start at zero for every
 task: nothing is carried from one task or meta-batch to the next.
 """
 
+from __future__ import annotations
+
+from typing import Sequence
+
 import keras
 import tensorflow as tf
 
@@ -54,13 +58,15 @@ class InnerSGD(ConfigRepr):
         self.momentum = checked
         self.nesterov = validation.boolean(nesterov, "nesterov")
 
-    def init(self, weights):
+    def init(self, weights: Sequence[tf.Tensor]) -> list[tf.Tensor | None]:
         """The velocity of each weight (zeros), or Nones without momentum."""
         if self.momentum == 0.0:
             return [None] * len(weights)
         return [tf.zeros_like(w) for w in weights]
 
-    def update(self, weight, grad, rate, slot):
+    def update(
+        self, weight: tf.Tensor, grad: tf.Tensor, rate: tf.Tensor, slot: tf.Tensor | None
+    ) -> tuple[tf.Tensor, tf.Tensor | None]:
         """One step: returns `(new_weight, new_slot)`; `rate` in `grad`'s dtype."""
         if slot is None:
             return weight - grad * rate, None
