@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Nested
 
 MODES = ("auto", "forward", "reverse")
 
@@ -53,7 +54,7 @@ _ZERO = tf.UnconnectedGradients.ZERO
 
 
 def input_derivatives(
-    fn: Callable[[Any], Any], x: Any, order: int = 1, mode: str = "auto",
+    fn: Callable[[Any], Any], x: Nested, order: int = 1, mode: str = "auto",
     mixed: Sequence[Sequence[int]] | None = None, diagonal: Any = None,
 ) -> tuple[tf.Tensor, ...]:
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.

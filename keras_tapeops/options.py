@@ -74,7 +74,7 @@ class Option:
         """How `set_option_names` shows a set value."""
         return f"{self.name}={value}" if self.kind == "int" else self.name
 
-    def serialize(self, value: Any, model: Any) -> Any:
+    def serialize(self, value: Any, model: keras.Model) -> Any:
         if self.kind == "list":
             return serialize_all(value, model)
         if self.kind == "object":
@@ -277,7 +277,7 @@ class TapeOpsOptions(ConfigRepr):
         """True when gradients are summed over micro-batches or batches."""
         return self.micro_batches > 1 or self.accumulation_steps > 1
 
-    def get_config(self, model: Any = None) -> dict[str, Any]:
+    def get_config(self, model: keras.Model = None) -> dict[str, Any]:
         """Returns the options as compile-config entries.
 
         Args:

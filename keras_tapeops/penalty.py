@@ -14,12 +14,13 @@ from typing import Sequence
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Nested
 
 _TINY = 1e-30
 
 
 def gradient_penalty(
-    critic: Callable[..., Any], real: Any, fake: Any, alpha: Any = None,
+    critic: Callable[..., Any], real: Nested, fake: Nested, alpha: Any = None,
     target: float = 1.0, training: bool = True,
 ) -> tf.Tensor:
     """WGAN-GP penalty `mean((||grad_x critic(x_hat)||_2 - target)^2)`.

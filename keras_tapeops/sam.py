@@ -27,12 +27,14 @@ own gradient and the windows sum the second gradients.
 from typing import Any
 from typing import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops import selectors
 from keras_tapeops import true_gradients
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.accumulation.batch_norm import moving_statistics
 from keras_tapeops.transforms.clipping import squared_norm
@@ -66,12 +68,14 @@ class SAM(ConfigRepr):
         self.adaptive = validation.boolean(adaptive, "adaptive")
         self.where = selectors.validate_selector(where)
 
-    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> list[bool]:
+    def bind(
+        self, model: keras.Model, variables: Sequence[keras.Variable], tree: LayerTree | None = None
+    ) -> list[bool]:
         """Returns the selection (list of bools) for `model`'s `variables`."""
         return selectors.select(self.where, model, variables, tree)
 
     def perturbation(
-        self, grads: Sequence[Any], variables: Sequence[Any], selected: Sequence[bool]
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], selected: Sequence[bool]
     ) -> list[Any]:
         """`e` for every variable (None where not selected or no gradient).
 

@@ -39,10 +39,11 @@ import tensorflow as tf
 
 from keras_tapeops._keras import private
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Nested
 
 
 def hessian_vector_product(
-    model: keras.Model, x: Any, y: Any, vectors: Sequence[Any], sample_weight: Any = None,
+    model: keras.Model, x: Nested, y: Nested, vectors: Sequence[Any], sample_weight: Nested = None,
     training: bool = False,
 ) -> list[tf.Tensor]:
     """Returns `H @ v`, `H` the Hessian of the model's loss on one batch.

@@ -22,6 +22,7 @@ from keras_tapeops import gramian as gram
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 SCALE_MODES = ("min", "median", "rmse")
 
@@ -73,7 +74,7 @@ class AlignedMTL(Aggregator):
     """
 
     def __init__(
-        self, scale_mode: str = "min", shared: Any = None, tasks: Sequence[str] | None = None,
+        self, scale_mode: str = "min", shared: Selector = None, tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.scale_mode = validation.choice(scale_mode, "scale_mode", SCALE_MODES)

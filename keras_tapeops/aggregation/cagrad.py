@@ -28,6 +28,7 @@ from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 
 @gram.nan_unless_finite
@@ -98,7 +99,7 @@ class CAGrad(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, c: float = 0.4, rescale: int = 1, shared: Any = None,
+        self, c: float = 0.4, rescale: int = 1, shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

@@ -36,6 +36,7 @@ from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 
@@ -90,7 +91,7 @@ class MGDA(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, shared: Any = None, tasks: Sequence[str] | None = None, on: str = "parameters",
+        self, shared: Selector = None, tasks: Sequence[str] | None = None, on: str = "parameters",
         representation: Any = None, normalization: str = "none",
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

@@ -24,6 +24,7 @@ from keras_tapeops import validation
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 
 def task_orders(seed, step, k):
@@ -92,7 +93,7 @@ class PCGrad(Aggregator):
     """
 
     def __init__(
-        self, shared: Any = None, tasks: Sequence[str] | None = None, seed: int | None = None,
+        self, shared: Selector = None, tasks: Sequence[str] | None = None, seed: int | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         if seed is not None:

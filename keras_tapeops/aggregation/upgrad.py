@@ -22,6 +22,7 @@ from keras_tapeops.aggregation import qp
 from keras_tapeops.aggregation.base import Aggregator
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 
 @gram.nan_unless_finite
@@ -61,7 +62,7 @@ class UPGrad(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, norm_eps: float = 1e-4, reg_eps: float = 1e-4, shared: Any = None,
+        self, norm_eps: float = 1e-4, reg_eps: float = 1e-4, shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

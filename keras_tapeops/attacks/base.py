@@ -90,7 +90,9 @@ class Attack(ConfigRepr):
         self.loss = objectives.validate_loss(loss)
         self.seed = noise.validate_seed(seed)
 
-    def __call__(self, model: Any, x: Any, y: Any, sample_weight: Any = None) -> Any:
+    def __call__(
+        self, model: keras.Model, x: Nested, y: Nested, sample_weight: Nested = None
+    ) -> Any:
         """Returns the adversarial version of `x` (same structure and dtypes).
 
         Args:

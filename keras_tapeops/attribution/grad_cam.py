@@ -11,10 +11,11 @@ from keras_tapeops import paths
 from keras_tapeops import validation
 from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
+from keras_tapeops.typing_aliases import Nested
 
 
 def grad_cam(
-    model: Any, x: Any, layer: Any, target: Any = None, upsample: bool = False,
+    model: keras.Model, x: Nested, layer: Any, target: Any = None, upsample: bool = False,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """Grad-CAM: `relu(sum_c w_c * A_c)`, `w_c` the spatial mean of `d score / d A_c`.

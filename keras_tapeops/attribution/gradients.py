@@ -8,6 +8,7 @@ and backward pass, or in chunks of `batch_size` points inside a
 
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -15,10 +16,11 @@ from keras_tapeops import validation
 from keras_tapeops.attacks import noise as attack_noise
 from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
+from keras_tapeops.typing_aliases import Nested
 
 
 def saliency(
-    model: Any, x: Any, target: Any = None, absolute: bool = True,
+    model: keras.Model, x: Nested, target: Any = None, absolute: bool = True,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """The gradient of the target output with respect to the input (Simonyan et al. 2014).
@@ -76,7 +78,7 @@ def saliency(
 
 
 def smoothgrad(
-    model: Any, x: Any, target: Any = None, samples: int = 25, noise: float = 0.15,
+    model: keras.Model, x: Nested, target: Any = None, samples: int = 25, noise: float = 0.15,
     absolute: bool = True, seed: int | None = None, batch_size: int | None = None,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:

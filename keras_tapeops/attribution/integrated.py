@@ -6,6 +6,7 @@ are averaged: the result is the mean of the per-baseline attributions.
 
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -15,10 +16,11 @@ from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
 from keras_tapeops.attribution.gradients import _groups_per_pass
 from keras_tapeops.attribution.gradients import batched_gradients
+from keras_tapeops.typing_aliases import Nested
 
 
 def integrated_gradients(
-    model: Any, x: Any, baseline: Any = None, target: Any = None, steps: int = 50,
+    model: keras.Model, x: Nested, baseline: Any = None, target: Any = None, steps: int = 50,
     batch_size: int | None = None, baselines: Any = None,
     num_random_baselines: int | None = None,
     random_baseline_range: tuple[float, float] = (0.0, 1.0), seed: int | None = None,

@@ -18,6 +18,7 @@ from typing import Sequence
 from keras_tapeops import validation
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 
 @register
@@ -44,7 +45,7 @@ class MeasureConflict(TaskBalancing):
     logs_weights = False
 
     def __init__(
-        self, every: int = 10, shared: Any = None, tasks: Sequence[str] | None = None,
+        self, every: int = 10, shared: Selector = None, tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.every = validation.positive_int(every, "every")

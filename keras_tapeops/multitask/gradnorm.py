@@ -32,6 +32,7 @@ from keras_tapeops.multitask import learned
 from keras_tapeops.multitask.context import StepContext
 from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 
 
 @register
@@ -55,7 +56,7 @@ class GradNorm(TaskBalancing):
     needs_epochs = True
 
     def __init__(
-        self, alpha: float = 1.5, learning_rate: float = 0.01, shared: Any = None,
+        self, alpha: float = 1.5, learning_rate: float = 0.01, shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

@@ -27,15 +27,17 @@ Vectors are float64 NumPy arrays; the loss and its gradient come from one
 from typing import Any
 from typing import Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Nested
 
 
 def lbfgs(
-    model: Any, x: Any, y: Any = None, sample_weight: Any = None, iterations: int = 1000,
-    history_size: int = 50, tolerance: float = 1e-9,
+    model: keras.Model, x: Nested, y: Nested = None, sample_weight: Nested = None,
+    iterations: int = 1000, history_size: int = 50, tolerance: float = 1e-9,
     callback: Callable[[int, float], Any] | None = None,
 ) -> Any:
     """Minimizes the model's training objective by L-BFGS, from its current weights.

@@ -17,6 +17,7 @@ probability below 1e-9 per step (see `truncation_probability`).
 import math
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -64,7 +65,7 @@ def truncation_probability(dataset_size, sampling_rate, max_batch_size):
 
 def poisson_batches(
     dataset: Any, sampling_rate: float, seed: int | None = None,
-    max_batch_size: int | None = None, steps: int | None = None, model: Any = None,
+    max_batch_size: int | None = None, steps: int | None = None, model: keras.Model = None,
 ) -> tf.data.Dataset:
     """Poisson-sampled, padded batches `(x, y, mask)` for `fit` with `kt.DPSGD`.
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras_tapeops import paths
 from keras_tapeops import selectors
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
@@ -87,7 +88,7 @@ class ActivationPenalty(Term):
             name = "activation_penalty_" + label.replace("/", "_")
         super().__init__(weight=weight, name=name, in_validation=in_validation)
 
-    def bind(self, model: Any, tree: Any = None) -> Any:
+    def bind(self, model: keras.Model, tree: LayerTree | None = None) -> Any:
         """Finds the layer in `model`; returns it (the term's state for `model`).
 
         Raises ValueError listing the layer paths if the layer is not in

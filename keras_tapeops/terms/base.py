@@ -179,7 +179,7 @@ class Term(ConfigRepr):
         """Returns the unweighted scalar value of the term."""
         raise NotImplementedError(f"{type(self).__name__} must implement call().")
 
-    def weight_at(self, step: Any) -> tf.Tensor:
+    def weight_at(self, step: int | tf.Tensor) -> tf.Tensor:
         """Returns the weight at optimizer step `step` as a float32 tensor."""
         weight = self.weight
         if isinstance(weight, keras.optimizers.schedules.LearningRateSchedule) or (

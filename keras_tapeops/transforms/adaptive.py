@@ -26,6 +26,7 @@ docs/observability.md for the exact differences).
 from typing import Any
 from typing import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -90,7 +91,7 @@ class AdaptiveClip(GradientTransform):
         self.eps = validation.positive_number(eps, "eps")
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         return [
             adaptive_clip(g, v, self.clipping, self.eps) if on and g is not None else g
@@ -125,7 +126,7 @@ class CentralizeGradients(GradientTransform):
     """
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         return [
             centralize(g, v) if on and g is not None else g

@@ -42,6 +42,7 @@ import keras
 
 from keras_tapeops import selectors
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.paths import LayerTree
 
 
 class TransformState:
@@ -134,7 +135,9 @@ class GradientTransform(ConfigRepr):
     def __init__(self, where: selectors.Selector = None) -> None:
         self.where = selectors.validate_selector(where)
 
-    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
+    def bind(
+        self, model: keras.Model, variables: Sequence[keras.Variable], tree: LayerTree | None = None
+    ) -> TransformState:
         """Resolves `where=` against `model` and its trainable `variables`.
 
         Args:
@@ -148,19 +151,19 @@ class GradientTransform(ConfigRepr):
         return TransformState(selectors.select(self.where, model, variables, tree))
 
     def keep_step(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> Any:
         """None, or a scalar bool tensor: False skips this optimizer step."""
         return None
 
     def after_apply(
-        self, variables: Sequence[Any], previous: Any, state: TransformState
+        self, variables: Sequence[keras.Variable], previous: Any, state: TransformState
     ) -> None:
         """Runs after the optimizer step (e.g. to log the update). Returns None."""
         return None
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         """Returns the transformed list of gradients (same length as `grads`)."""
         raise NotImplementedError(
@@ -168,7 +171,8 @@ class GradientTransform(ConfigRepr):
         )
 
     def __call__(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState | None = None
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable],
+        state: TransformState | None = None,
     ) -> list[Any]:
         """Applies the transform. Without `state`, only `where=None` works (all selected)."""
         if state is None:
@@ -202,7 +206,7 @@ class GradientTransform(ConfigRepr):
 def apply_in_order(
     bound: Sequence[tuple[GradientTransform, TransformState]],
     grads: Sequence[Any],
-    variables: Sequence[Any],
+    variables: Sequence[keras.Variable],
 ) -> list[Any]:
     """Applies bound transforms to `grads` one after another, in list order.
 

@@ -16,6 +16,7 @@ clipping spreads each clipped row evenly over its repeats.
 from typing import Any
 from typing import Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
@@ -49,7 +50,7 @@ class ClipByValue(GradientTransform):
         self.clip_value = validation.positive_number(clip_value, "clip_value")
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         selected = state.selected
         return [
@@ -87,7 +88,7 @@ class ClipByNorm(GradientTransform):
         self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         selected = state.selected
         out = []
@@ -129,7 +130,7 @@ class ClipByGlobalNorm(GradientTransform):
         self.clip_norm = validation.positive_number(clip_norm, "clip_norm")
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         selected = state.selected
         group = [

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
@@ -73,7 +74,9 @@ class SkipNonFinite(GradientTransform):
         self.max_consecutive = max_consecutive
         self.name = validation.name(name, "name")
 
-    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
+    def bind(
+        self, model: keras.Model, variables: Sequence[keras.Variable], tree: LayerTree | None = None
+    ) -> TransformState:
         state: Any = super().bind(model, variables, tree)  # plus `state.model`, below
         state.add_variable("consecutive_skips", 0.0)
         state.add_metric(ReplicaAgreedCount(name=self.name))
@@ -81,7 +84,7 @@ class SkipNonFinite(GradientTransform):
         return state
 
     def keep_step(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> Any:
         checks = [
             tf.reduce_all(tf.math.is_finite(_values(g)))
@@ -116,7 +119,7 @@ class SkipNonFinite(GradientTransform):
         return finite
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         return list(grads)
 

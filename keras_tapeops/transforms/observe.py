@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
@@ -52,7 +53,9 @@ class LogGradientNorm(GradientTransform):
         self.name = validation.name(name, "name")
         self.log_max = validation.boolean(log_max, "log_max")
 
-    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
+    def bind(
+        self, model: keras.Model, variables: Sequence[keras.Variable], tree: LayerTree | None = None
+    ) -> TransformState:
         state = super().bind(model, variables, tree)
         state.add_metric(keras.metrics.Mean(name=self.name))
         if self.log_max:
@@ -60,7 +63,7 @@ class LogGradientNorm(GradientTransform):
         return state
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         group = [
             squared_norm(g, v)

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
@@ -58,18 +59,20 @@ class LogUpdateRatio(GradientTransform):
         super().__init__(where=where)
         self.name = validation.name(name, "name")
 
-    def bind(self, model: Any, variables: Sequence[Any], tree: Any = None) -> TransformState:
+    def bind(
+        self, model: keras.Model, variables: Sequence[keras.Variable], tree: LayerTree | None = None
+    ) -> TransformState:
         state = super().bind(model, variables, tree)
         state.add_metric(keras.metrics.Mean(name=self.name))
         return state
 
     def transform(
-        self, grads: Sequence[Any], variables: Sequence[Any], state: TransformState
+        self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         return list(grads)
 
     def after_apply(
-        self, variables: Sequence[Any], previous: Any, state: TransformState
+        self, variables: Sequence[keras.Variable], previous: Any, state: TransformState
     ) -> None:
         update, weights = [], []
         for v, old in zip(variables, previous):
