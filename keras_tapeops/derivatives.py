@@ -37,6 +37,8 @@ Both modes can be differentiated again: inside a training step the outer
 `tf.GradientTape` (w.r.t. the weights) records the derivative computation.
 """
 
+from __future__ import annotations
+
 import numbers
 from typing import Any
 from typing import Callable
@@ -55,7 +57,7 @@ _ZERO = tf.UnconnectedGradients.ZERO
 
 def input_derivatives(
     fn: Callable[[Any], Any], x: Nested, order: int = 1, mode: str = "auto",
-    mixed: Sequence[Sequence[int]] | None = None, diagonal: Any = None,
+    mixed: Sequence[Sequence[int]] | None = None, diagonal: Sequence[int] | None = None,
 ) -> tuple[tf.Tensor, ...]:
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.
 

@@ -6,6 +6,8 @@ gradient (double backprop). The norm is computed safely: a zero input
 gradient gives a finite value and finite weight gradients.
 """
 
+from __future__ import annotations
+
 import numbers
 from typing import Any
 from typing import Callable
@@ -20,7 +22,7 @@ _TINY = 1e-30
 
 
 def gradient_penalty(
-    critic: Callable[..., Any], real: Nested, fake: Nested, alpha: Any = None,
+    critic: Callable[..., Any], real: Nested, fake: Nested, alpha: float | tf.Tensor | None = None,
     target: float = 1.0, training: bool = True,
 ) -> tf.Tensor:
     """WGAN-GP penalty `mean((||grad_x critic(x_hat)||_2 - target)^2)`.

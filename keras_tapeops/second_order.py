@@ -28,6 +28,8 @@ so they can run from a callback or inside a custom `train_step`.
   does): they compute on one device, with the whole batch.
 """
 
+from __future__ import annotations
+
 import numbers
 import weakref
 from typing import Any
@@ -39,6 +41,7 @@ import tensorflow as tf
 
 from keras_tapeops._keras import private
 from keras_tapeops import validation
+from keras_tapeops.typing_aliases import Data
 from keras_tapeops.typing_aliases import Nested
 
 
@@ -87,7 +90,7 @@ def hessian_vector_product(
 
 
 def top_hessian_eigenvalue(
-    model: keras.Model, data: Any, iterations: int = 20, seed: int | None = None,
+    model: keras.Model, data: Data, iterations: int = 20, seed: int | None = None,
     tolerance: float = 1e-4,
 ) -> float:
     """Returns the largest-magnitude eigenvalue of the loss Hessian, by power iteration.

@@ -8,9 +8,11 @@ aliases below name what has no single class.
 
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 from typing import Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 #: Keras's nested data: a tensor or array, or a (nested) tuple, list or dict
@@ -24,6 +26,16 @@ Gradient = Union[tf.Tensor, tf.IndexedSlices, None]
 
 #: The `logs` Keras passes a callback hook: metric name -> value, or None.
 Logs = Union[dict[str, Any], None]
+
+#: A loss: a `keras.losses.Loss`, its name, or a function `(y_true, y_pred) -> loss`.
+LossLike = Union[str, keras.losses.Loss, Callable[..., Any]]
+
+#: Evaluation data: a finite `tf.data.Dataset` of `(x, y[, sample_weight])`
+#: batches, or a tuple `(x, y[, sample_weight])` of arrays.
+Data = Union[tf.data.Dataset, tuple[Any, ...]]
+
+#: Numbers per example or per point: a NumPy array or a tensor.
+Array = Union[np.ndarray, tf.Tensor]
 
 if TYPE_CHECKING:
     # The mixin's bases are plain classes at run time (Keras rewrites the

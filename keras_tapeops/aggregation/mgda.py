@@ -92,7 +92,7 @@ class MGDA(Aggregator):
 
     def __init__(
         self, shared: Selector = None, tasks: Sequence[str] | None = None, on: str = "parameters",
-        representation: Any = None, normalization: str = "none",
+        representation: str | None = None, normalization: str = "none",
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.on = validation.choice(on, "on", ("parameters", "representation"))

@@ -34,6 +34,7 @@ from keras_tapeops.attacks import objectives
 from keras_tapeops.attacks.inputs import select_inputs
 from keras_tapeops.attacks.inputs import validate_inputs
 from keras_tapeops.config_repr import ConfigRepr
+from keras_tapeops.typing_aliases import LossLike
 from keras_tapeops.typing_aliases import Nested
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ class Attack(ConfigRepr):
     def __init__(
         self, epsilon: float, step_size: float, steps: int, norm: str = "inf",
         random_start: bool = True,
-        clip: tuple[float, float] | None = None, inputs: Any = None, loss: Any = None,
+        clip: tuple[float, float] | None = None,
+        inputs: str | int | Sequence[str | int] | None = None, loss: LossLike | None = None,
         seed: int | None = None,
     ) -> None:
         self.epsilon = validation.positive_number(epsilon, "epsilon")
@@ -92,7 +94,7 @@ class Attack(ConfigRepr):
 
     def __call__(
         self, model: keras.Model, x: Nested, y: Nested, sample_weight: Nested = None
-    ) -> Any:
+    ) -> Nested:
         """Returns the adversarial version of `x` (same structure and dtypes).
 
         Args:

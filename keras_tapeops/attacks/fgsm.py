@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from typing import Any
+from typing import Sequence
 
 from keras_tapeops import validation
 from keras_tapeops.attacks.base import Attack
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import LossLike
 
 
 @register
@@ -45,8 +47,9 @@ class FGSM(Attack):
 
     def __init__(
         self, epsilon: float, random_start: bool = True, step_size: float | None = None,
-        clip: tuple[float, float] | None = None, inputs: Any = None, norm: str = "inf",
-        loss: Any = None, seed: int | None = None,
+        clip: tuple[float, float] | None = None,
+        inputs: str | int | Sequence[str | int] | None = None, norm: str = "inf",
+        loss: LossLike | None = None, seed: int | None = None,
     ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")
         random_start = validation.boolean(random_start, "random_start")

@@ -1,10 +1,13 @@
 """`PGD`: projected gradient descent on the loss, ascending (Madry et al. 2018)."""
 
-from typing import Any
+from __future__ import annotations
+
+from typing import Sequence
 
 from keras_tapeops import validation
 from keras_tapeops.attacks.base import Attack
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import LossLike
 
 
 @register
@@ -48,7 +51,8 @@ class PGD(Attack):
     def __init__(
         self, epsilon: float, step_size: float | None = None, steps: int = 10,
         norm: str = "inf", random_start: bool = True,
-        clip: tuple[float, float] | None = None, inputs: Any = None, loss: Any = None,
+        clip: tuple[float, float] | None = None,
+        inputs: str | int | Sequence[str | int] | None = None, loss: LossLike | None = None,
         seed: int | None = None,
     ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")

@@ -1,6 +1,8 @@
 """`grad_cam`: gradient-weighted class activation maps (Selvaraju et al. 2017)."""
 
-from typing import Any
+from __future__ import annotations
+
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -11,11 +13,13 @@ from keras_tapeops import paths
 from keras_tapeops import validation
 from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
+from keras_tapeops.typing_aliases import Array
 from keras_tapeops.typing_aliases import Nested
 
 
 def grad_cam(
-    model: keras.Model, x: Nested, layer: Any, target: Any = None, upsample: bool = False,
+    model: keras.Model, x: Nested, layer: str | keras.layers.Layer,
+    target: int | Sequence[int] | Array | None = None, upsample: bool = False,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """Grad-CAM: `relu(sum_c w_c * A_c)`, `w_c` the spatial mean of `d score / d A_c`.

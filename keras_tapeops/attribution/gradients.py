@@ -6,7 +6,9 @@ and backward pass, or in chunks of `batch_size` points inside a
 `tf.map_fn` (one trace, no Python loop over points).
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -16,11 +18,13 @@ from keras_tapeops import validation
 from keras_tapeops.attacks import noise as attack_noise
 from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
+from keras_tapeops.typing_aliases import Array
 from keras_tapeops.typing_aliases import Nested
 
 
 def saliency(
-    model: keras.Model, x: Nested, target: Any = None, absolute: bool = True,
+    model: keras.Model, x: Nested, target: int | Sequence[int] | Array | None = None,
+    absolute: bool = True,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """The gradient of the target output with respect to the input (Simonyan et al. 2014).
@@ -78,8 +82,9 @@ def saliency(
 
 
 def smoothgrad(
-    model: keras.Model, x: Nested, target: Any = None, samples: int = 25, noise: float = 0.15,
-    absolute: bool = True, seed: int | None = None, batch_size: int | None = None,
+    model: keras.Model, x: Nested, target: int | Sequence[int] | Array | None = None,
+    samples: int = 25, noise: float = 0.15, absolute: bool = True, seed: int | None = None,
+    batch_size: int | None = None,
     input_name: str | int | None = None, output_name: str | int | None = None,
 ) -> np.ndarray:
     """The gradient averaged over noisy copies of the input (Smilkov et al. 2017).

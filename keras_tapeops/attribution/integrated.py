@@ -4,7 +4,9 @@ Sundararajan et al. 2017. Several baselines (keras.io's random baselines)
 are averaged: the result is the mean of the per-baseline attributions.
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -16,12 +18,15 @@ from keras_tapeops.attribution import compiled
 from keras_tapeops.attribution import targets
 from keras_tapeops.attribution.gradients import _groups_per_pass
 from keras_tapeops.attribution.gradients import batched_gradients
+from keras_tapeops.typing_aliases import Array
 from keras_tapeops.typing_aliases import Nested
 
 
 def integrated_gradients(
-    model: keras.Model, x: Nested, baseline: Any = None, target: Any = None, steps: int = 50,
-    batch_size: int | None = None, baselines: Any = None,
+    model: keras.Model, x: Nested, baseline: float | Array | None = None,
+    target: int | Sequence[int] | Array | None = None, steps: int = 50,
+    batch_size: int | None = None,
+    baselines: Array | Sequence[float | Array] | None = None,
     num_random_baselines: int | None = None,
     random_baseline_range: tuple[float, float] = (0.0, 1.0), seed: int | None = None,
     input_name: str | int | None = None, output_name: str | int | None = None,

@@ -43,6 +43,7 @@ How it works, in Keras 3 terms:
 
 from __future__ import annotations
 
+from typing import Sequence
 from typing import TYPE_CHECKING
 import numbers
 from typing import Any
@@ -57,6 +58,7 @@ from keras_tapeops.callbacks.group_learning_rate import check_verbose
 from keras_tapeops.groups import check_selector_pair
 from keras_tapeops.groups import trainable_capable_variables
 from keras_tapeops.registration import register
+from keras_tapeops.selectors import Selector
 from keras_tapeops.typing_aliases import Logs
 
 if TYPE_CHECKING:
@@ -88,7 +90,10 @@ class GradualUnfreezing(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, schedule: Any, unit: str = "epoch", verbose: int = 0) -> None:
+    def __init__(
+        self, schedule: Sequence[tuple[Selector, int]] | dict[Any, int], unit: str = "epoch",
+        verbose: int = 0,
+    ) -> None:
         super().__init__()
         self.schedule = _check_schedule(schedule)
         if not isinstance(unit, str) or unit not in UNITS:

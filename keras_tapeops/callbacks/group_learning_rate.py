@@ -13,6 +13,7 @@ them.
 
 from __future__ import annotations
 
+from typing import Callable
 from typing import TYPE_CHECKING
 import numbers
 from typing import Any
@@ -95,7 +96,14 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, schedule: Any = None, log: bool = False, verbose: int = 0) -> None:
+    def __init__(
+        self,
+        schedule: (
+            Callable[[int, float], float] | dict[str, Callable[[int, float], float]] | None
+        ) = None,
+        log: bool = False,
+        verbose: int = 0,
+    ) -> None:
         super().__init__()
         self.schedule = _check_schedule(schedule)
         self.log = validation.boolean(log, "log")

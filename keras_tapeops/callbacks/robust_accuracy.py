@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from keras_tapeops import validation
+from keras_tapeops.attacks.base import Attack
 from keras_tapeops.attacks.robustness import RobustnessEvaluator
 from keras_tapeops.callbacks.epoch_measure import EpochMeasure
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Data
 
 
 @register
@@ -47,8 +49,8 @@ class RobustAccuracy(EpochMeasure):
     """
 
     def __init__(
-        self, data: Any, attack: Any, name: str = "robust_accuracy", batch_size: int | None = None,
-        every: int = 1,
+        self, data: Data, attack: Attack, name: str = "robust_accuracy",
+        batch_size: int | None = None, every: int = 1,
     ) -> None:
         self.evaluator = RobustnessEvaluator(attack)
         self.attack = attack

@@ -8,6 +8,7 @@ from keras_tapeops import second_order
 from keras_tapeops import validation
 from keras_tapeops.callbacks.epoch_measure import EpochMeasure
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Data
 
 
 @register
@@ -50,7 +51,7 @@ class Sharpness(EpochMeasure):
     """
 
     def __init__(
-        self, data: Any, every: int = 1, iterations: int = 20, name: str = "sharpness",
+        self, data: Data, every: int = 1, iterations: int = 20, name: str = "sharpness",
         seed: int | None = None, tolerance: float = 1e-4,
     ) -> None:
         super().__init__(data, name, every)

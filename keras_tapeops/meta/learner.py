@@ -37,6 +37,7 @@ from keras_tapeops.meta.config import MetaConfig
 from keras_tapeops.meta.inner_optimizer import InnerSGD
 from keras_tapeops.meta.task_loss import TaskLoss
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import LossLike
 from keras_tapeops.typing_aliases import Nested
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ class MetaLearner(keras.Model):
 
     # ------------------------------------------------------------- compile
     def compile(
-        self, optimizer: keras.optimizers.Optimizer | str = "rmsprop", loss: Any = None,
+        self, optimizer: keras.optimizers.Optimizer | str = "rmsprop", loss: LossLike | None = None,
         metrics: Any = None, **kwargs: Any,
     ) -> None:
         """Configures meta-training: everything stock `compile()` takes.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Callable
 from typing import TYPE_CHECKING
 import numbers
 from typing import Any
@@ -14,8 +15,11 @@ from keras_tapeops import selectors
 from keras_tapeops.physics import replicas
 from keras_tapeops.physics.points_term import PointsTerm
 from keras_tapeops.physics.samplers import FixedPoints
+from keras_tapeops.physics.samplers import Sampler
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
+from keras_tapeops.typing_aliases import Array
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -66,7 +70,8 @@ class ConditionLoss(PointsTerm):
     points_argument = "points"
 
     def __init__(
-        self, points: Any, values: Any, weight: Any = 1.0, name: str = "condition",
+        self, points: Sampler | Array, values: float | Array | Callable[[tf.Tensor], tf.Tensor],
+        weight: Weight = 1.0, name: str = "condition",
         in_validation: bool = False,
     ) -> None:
         super().__init__(points, weight=weight, name=name, in_validation=in_validation)

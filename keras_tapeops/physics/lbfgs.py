@@ -24,6 +24,8 @@ Vectors are float64 NumPy arrays; the loss and its gradient come from one
 `tf.function` (with `jit_compile` if the model was compiled with it).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Callable
 
@@ -39,7 +41,7 @@ def lbfgs(
     model: keras.Model, x: Nested, y: Nested = None, sample_weight: Nested = None,
     iterations: int = 1000, history_size: int = 50, tolerance: float = 1e-9,
     callback: Callable[[int, float], Any] | None = None,
-) -> Any:
+) -> dict[str, Any]:
     """Minimizes the model's training objective by L-BFGS, from its current weights.
 
     Args:

@@ -18,8 +18,11 @@ from keras_tapeops.derivatives import check_mixed
 from keras_tapeops.derivatives import check_order
 from keras_tapeops.derivatives import input_derivatives
 from keras_tapeops.physics.points_term import PointsTerm
+from keras_tapeops.physics.samplers import Sampler
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import Weight
+from keras_tapeops.typing_aliases import Array
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -92,8 +95,9 @@ class PDEResidual(PointsTerm):
     points_argument = "collocation"
 
     def __init__(
-        self, residual_fn: Callable[..., Any], collocation: Any, order: int = 2, mode: str = "auto",
-        mixed: Sequence[tuple[int, int]] | None = None, diagonal: Any = None, weight: Any = 1.0,
+        self, residual_fn: Callable[..., Any], collocation: Sampler | Array, order: int = 2,
+        mode: str = "auto", mixed: Sequence[tuple[int, int]] | None = None,
+        diagonal: Sequence[int] | None = None, weight: Weight = 1.0,
         name: str = "pde_residual", in_validation: bool = False,
     ) -> None:
         if not callable(residual_fn):

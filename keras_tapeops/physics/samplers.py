@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.registration import register
+from keras_tapeops.typing_aliases import Array
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -156,7 +157,7 @@ class FixedPoints(Sampler):
     ```
     """
 
-    def __init__(self, points: Any) -> None:
+    def __init__(self, points: Array | Sequence[Sequence[float]]) -> None:
         array = np.asarray(points)
         if array.dtype.kind not in "fiu":
             raise TypeError(

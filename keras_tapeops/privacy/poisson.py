@@ -14,6 +14,8 @@ A batch larger than `max_batch_size` keeps a random subset of that size
 probability below 1e-9 per step (see `truncation_probability`).
 """
 
+from __future__ import annotations
+
 import math
 from typing import Any
 
@@ -64,8 +66,9 @@ def truncation_probability(dataset_size, sampling_rate, max_batch_size):
 
 
 def poisson_batches(
-    dataset: Any, sampling_rate: float, seed: int | None = None,
-    max_batch_size: int | None = None, steps: int | None = None, model: keras.Model = None,
+    dataset: tf.data.Dataset | tuple[Any, Any], sampling_rate: float, seed: int | None = None,
+    max_batch_size: int | None = None, steps: int | None = None,
+    model: keras.Model | None = None,
 ) -> tf.data.Dataset:
     """Poisson-sampled, padded batches `(x, y, mask)` for `fit` with `kt.DPSGD`.
 

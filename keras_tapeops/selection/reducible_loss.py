@@ -9,6 +9,7 @@ computed by a model trained on a holdout set), keep the top k.
 from __future__ import annotations
 
 from typing import Any
+from typing import Sequence
 from typing import TYPE_CHECKING
 
 import keras
@@ -24,6 +25,7 @@ from keras_tapeops.selection import batch as batches
 from keras_tapeops.selection.base import SelectionOption
 from keras_tapeops.selection.base import fraction_argument
 from keras_tapeops.selection.top_loss import TopLossState
+from keras_tapeops.typing_aliases import Array
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -74,7 +76,10 @@ class ReducibleLoss(SelectionOption):
     ```
     """
 
-    def __init__(self, irreducible: Any, fraction: float = 0.1, id_key: str = ID_KEY) -> None:
+    def __init__(
+        self, irreducible: Array | Sequence[float] | keras.Model, fraction: float = 0.1,
+        id_key: str = ID_KEY,
+    ) -> None:
         self.fraction = fraction_argument(fraction)
         if not isinstance(id_key, str) or not id_key:
             raise ValueError(f"`id_key` must be a non-empty string. Received: id_key={id_key!r}")

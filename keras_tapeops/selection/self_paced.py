@@ -49,7 +49,9 @@ class SelfPaced(SelectionOption):
     ```
     """
 
-    def __init__(self, threshold_schedule: Any = 1.0) -> None:
+    def __init__(
+        self, threshold_schedule: float | keras.optimizers.schedules.LearningRateSchedule = 1.0
+    ) -> None:
         if isinstance(threshold_schedule, keras.optimizers.schedules.LearningRateSchedule):
             self.threshold_schedule = threshold_schedule
         else:

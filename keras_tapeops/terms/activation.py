@@ -1,5 +1,7 @@
 """`ActivationPenalty`: an L1/L2 penalty on a layer's outputs from the same forward pass."""
 
+from __future__ import annotations
+
 from typing import Any
 
 import keras
@@ -57,8 +59,8 @@ class ActivationPenalty(Term):
     """
 
     def __init__(
-        self, layer: Any, l1: float = 0.0, l2: float = 0.0, name: str | None = None,
-        in_validation: bool = True, weight: Weight = 1.0,
+        self, layer: str | keras.layers.Layer, l1: float = 0.0, l2: float = 0.0,
+        name: str | None = None, in_validation: bool = True, weight: Weight = 1.0,
     ) -> None:
         if not (
             isinstance(layer, keras.layers.Layer)
@@ -88,7 +90,7 @@ class ActivationPenalty(Term):
             name = "activation_penalty_" + label.replace("/", "_")
         super().__init__(weight=weight, name=name, in_validation=in_validation)
 
-    def bind(self, model: keras.Model, tree: LayerTree | None = None) -> Any:
+    def bind(self, model: keras.Model, tree: LayerTree | None = None) -> keras.layers.Layer:
         """Finds the layer in `model`; returns it (the term's state for `model`).
 
         Raises ValueError listing the layer paths if the layer is not in
@@ -111,7 +113,7 @@ class ActivationPenalty(Term):
     def layers_to_capture(self, state: Any) -> list[Any]:
         return [state]
 
-    def call(self, context: TermContext) -> Any:
+    def call(self, context: TermContext) -> tf.Tensor:
         layer = context.state
         outputs = [
             t for t in context.activations(layer)

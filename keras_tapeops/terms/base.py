@@ -175,7 +175,7 @@ class Term(ConfigRepr):
         """Layers whose outputs the forward pass must record, given `state`."""
         return []
 
-    def call(self, context: TermContext) -> Any:
+    def call(self, context: TermContext) -> tf.Tensor:
         """Returns the unweighted scalar value of the term."""
         raise NotImplementedError(f"{type(self).__name__} must implement call().")
 

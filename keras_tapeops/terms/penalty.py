@@ -1,5 +1,7 @@
 """`GradientPenalty`: a loss term on the gradient of the outputs w.r.t. the inputs."""
 
+from __future__ import annotations
+
 from typing import Any
 
 import tensorflow as tf
@@ -55,7 +57,7 @@ class GradientPenalty(Term):
         super().__init__(weight=weight, name=name, in_validation=in_validation)
         self.target = validate_target(target)
 
-    def call(self, context: TermContext) -> Any:
+    def call(self, context: TermContext) -> tf.Tensor:
         """Returns the unweighted penalty for the context's batch (float32)."""
         # The outputs themselves are the targets (the inner tape recorded
         # them); TF sums a list of targets.

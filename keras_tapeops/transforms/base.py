@@ -34,11 +34,14 @@ Three optional parts make a transform stateful or observable (the built-in
   variables' values before it; else None).
 """
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 from typing import TypeVar
 
 import keras
+import tensorflow as tf
 
 from keras_tapeops import selectors
 from keras_tapeops.config_repr import ConfigRepr
@@ -152,7 +155,7 @@ class GradientTransform(ConfigRepr):
 
     def keep_step(
         self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
-    ) -> Any:
+    ) -> tf.Tensor | None:
         """None, or a scalar bool tensor: False skips this optimizer step."""
         return None
 

@@ -1,5 +1,7 @@
 """`SkipNonFinite`: a step whose gradient has a nan or inf changes nothing."""
 
+from __future__ import annotations
+
 from typing import Any
 from typing import Sequence
 
@@ -85,7 +87,7 @@ class SkipNonFinite(GradientTransform):
 
     def keep_step(
         self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
-    ) -> Any:
+    ) -> tf.Tensor:
         checks = [
             tf.reduce_all(tf.math.is_finite(_values(g)))
             for g, on in zip(grads, state.selected)
