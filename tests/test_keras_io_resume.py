@@ -18,12 +18,14 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 
 from keras_io_cases import CASES
 
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow
 def test_each_keras_io_port_resumes_in_a_new_process_like_an_uninterrupted_run(tmp_path):
     after_one_epoch, uninterrupted = {}, {}
     for case in CASES:
