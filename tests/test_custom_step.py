@@ -85,7 +85,7 @@ def test_guide_step_with_a_compiled_transform_equals_the_hand_clipped_step():
 
 
 def test_the_guide_step_needs_no_override_with_an_upgraded_model():
-    """docs/from_keras_io.md: the guide's step is Keras's own, so `kt.upgrade` + the option does it."""
+    """docs/from_keras_io.md: the guide's step is Keras's own: `kt.upgrade` + the option do it."""
     oracle = build(HandClipped)
     fit(oracle)
     keras.utils.set_random_seed(0)
