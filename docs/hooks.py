@@ -11,7 +11,8 @@
 - The navigation is in reading order (`nav_rank`): Home, Getting started,
   Concepts, one page per capability (`CAPABILITIES`, then any page not
   listed anywhere, by file name: a new page appears without editing this
-  file), Recipes, Extending, Faults, the API reference, the Changelog last.
+  file), Recipes (From keras.io), Extending, Faults, the API reference,
+  the Changelog last.
 - pytest-markdown-docs' fence options (`python notest`, `python continuation`)
   are dropped from the rendered code fences so they highlight as Python.
 """
@@ -102,7 +103,7 @@ CAPABILITIES = (
     "privacy.md", "selection.md", "adversarial.md", "attribution.md", "meta_learning.md",
     "physics_informed.md", "distributed.md",
 )
-AFTER = ("recipes.md", "extending.md", "faults.md", "api/", "changelog.md")
+AFTER = ("recipes.md", "from_keras_io.md", "extending.md", "faults.md", "api/", "changelog.md")
 
 
 def nav_rank(src_uri):

@@ -84,6 +84,21 @@ def test_guide_step_with_a_compiled_transform_equals_the_hand_clipped_step():
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
 
 
+def test_the_guide_step_needs_no_override_with_an_upgraded_model():
+    """docs/from_keras_io.md: the guide's step is Keras's own: `kt.upgrade` + the option do it."""
+    oracle = build(HandClipped)
+    fit(oracle)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="dense_1")(inputs)
+    model = kt.upgrade(keras.Model(inputs, keras.layers.Dense(1, name="dense_2")(hidden)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"],
+                  gradient_transforms=[kt.ClipByNorm(CLIP, where="dense_2")])
+    fit(model)
+    for a, b in zip(oracle.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
 def test_the_oracle_can_fail_without_the_transform():
     oracle = build(HandClipped)
     fit(oracle)
