@@ -1,7 +1,8 @@
 """MkDocs hooks of the documentation site (issue 23; `hooks:` in mkdocs.yml).
 
 - The home page is README.md (links into docs/ made site-relative; links to
-  other repository files kept as their text); CHANGELOG.md is a page too.
+  other repository files kept as their text); CHANGELOG.md is a page too
+  (its links rewritten the same way).
 - The API reference (`api/*.md`) is generated from `kt.__all__` by
   `docs/gen_api.py`, so a new export gets its entry without an edit.
 - The figures of `docs/gen_figures.py` (PNGs written by the examples, with
@@ -84,7 +85,8 @@ def on_files(files, config):
     files.append(File.generated(config, "index.md",
                                 content=readme_as_home((REPO / "README.md").read_text("utf-8"))))
     files.append(File.generated(config, "changelog.md",
-                                content=(REPO / "CHANGELOG.md").read_text("utf-8")))
+                                content=site_links((REPO / "CHANGELOG.md").read_text("utf-8"),
+                                                   prefix="")))
     for path, content in gen_api.api_pages().items():
         files.append(File.generated(config, path, content=content))
     return files
