@@ -50,12 +50,12 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The documentation's figures: every example that draws one, trained as its page
-# describes (no --quick), writes docs/figures/<name>.png and <name>.json (the
+# describes (no --quick; matplotlib, scikit-learn and dp-accounting come with
+# .[test]), writes docs/figures/<name>.png and <name>.json (the
 # numbers the page quotes; tests/test_figures.py checks them). Commit both.
 # About 15-25 min on 2 cores; FIGURES="maml_sinusoid pinn_burgers" redraws some.
 .PHONY: figures
 figures: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[examples,privacy]"
 	$(PY) docs/gen_figures.py $(if $(FIGURES),--only $(FIGURES))
 
 $(OLDEST_STAMP): pyproject.toml
