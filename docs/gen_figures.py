@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -135,7 +136,7 @@ def generate(figures=FIGURES, out=DEFAULT_OUT, python=sys.executable, log=print)
     """Runs each figure's example, which writes its PNG (and JSON) into `out`.
 
     The JSON gets a `run` entry: the command (paths relative to the
-    repository), the wall time in seconds, the date and the machine. Returns
+    repository), the wall and CPU time in seconds, the date and the machine. Returns
     the paths of the PNGs. Raises RuntimeError naming the example if one
     fails or writes no PNG, or no JSON when its command has `{json}`.
     """
@@ -149,10 +150,10 @@ def generate(figures=FIGURES, out=DEFAULT_OUT, python=sys.executable, log=print)
         command = [python] + [str(a).replace("{out}", str(target)).replace("{dir}", str(out))
                               .replace("{json}", str(numbers)) for a in figure.command]
         command[1] = str(REPO / command[1])
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _children_cpu()
         env = dict(os.environ, MPLBACKEND="Agg", TF_CPP_MIN_LOG_LEVEL="3")
         result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, _children_cpu() - cpu_start
         missing = [p for p in (target, numbers if figure.has_numbers else None)
                    if p is not None and not p.exists()]
         if result.returncode != 0 or missing:
@@ -167,13 +168,20 @@ def generate(figures=FIGURES, out=DEFAULT_OUT, python=sys.executable, log=print)
             data["run"] = dict(
                 command=" ".join(["python"] + shown),
                 wall_seconds=round(seconds, 1),
+                cpu_seconds=round(cpu, 1),  # wall time depends on what else runs; CPU less
                 date=datetime.date.today().isoformat(),
                 machine=f"{platform.machine()}, {os.cpu_count()} CPU cores",
             )
             numbers.write_text(json.dumps(data, indent=2) + "\n", "utf-8")
-        log(f"{figure.name}: {figure.command[0]} ({seconds:.0f} s)")
+        log(f"{figure.name}: {figure.command[0]} ({seconds:.0f} s, CPU {cpu:.0f} s)")
         paths.append(target)
     return paths
+
+
+def _children_cpu():
+    """CPU seconds (user + system) of the finished child processes."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _shown(path):

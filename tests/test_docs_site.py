@@ -186,7 +186,7 @@ def test_figure_runner_runs_the_example_and_adds_the_run_to_its_numbers(tmp_path
     numbers = json.loads((out / "draw.json").read_text("utf-8"))
     assert numbers["error"] == 0.25
     assert numbers["run"]["command"] == f"python {script} {out}/draw.png --json {out}/draw.json"
-    assert numbers["run"]["wall_seconds"] >= 0
+    assert numbers["run"]["wall_seconds"] >= 0 and numbers["run"]["cpu_seconds"] >= 0
 
 
 def test_figure_runner_names_an_example_that_writes_no_png(tmp_path):
