@@ -129,9 +129,12 @@ def check_pinn_burgers(data, text):
 def check_adversarial_examples(data, text):
     assert not data["quick"] and data["epochs"] == 20 and data["train_images"] == 1400, data
     runs = {r["training"]: r for r in data["runs"]}
-    # The page's claim: adversarial training raises the PGD-20 accuracy over standard training.
+    # The page's claims: adversarial training keeps the clean accuracy within a point and
+    # raises the PGD-20 accuracy well above standard training's.
+    standard = runs["standard"]
     for label in ("FGSM-RS", "PGD-7", "TRADES"):
-        assert runs[label]["robust_accuracy"] > runs["standard"]["robust_accuracy"], runs
+        assert runs[label]["robust_accuracy"] > standard["robust_accuracy"] + 0.2, runs
+        assert runs[label]["clean_accuracy"] >= standard["clean_accuracy"] - 0.01, runs
     labels = {"standard": "standard", "FGSM-RS": "FGSM-RS (`AdversarialLoss(FGSM)`)",
               "PGD-7": "PGD-7 (`AdversarialLoss(PGD(steps=7))`)",
               "TRADES": "TRADES (`TRADES(PGD(steps=7), beta=6)`)"}
@@ -141,7 +144,7 @@ def check_adversarial_examples(data, text):
                                   ("training | clean |", short, 3)):
         assert table(text, header) == [
             [names[label], fixed(run["clean_accuracy"], digits),
-             fixed(run["robust_accuracy"], digits), fixed(run["seconds_per_epoch"], 2)]
+             fixed(run["robust_accuracy"], digits)]
             for label, run in runs.items()]
 
 
