@@ -97,18 +97,26 @@ FIGURES = [
                 "PGD-7-trained model, 20 epochs each (examples/adversarial_training.py).",
     ),
     Figure(
-        page="attribution.md",
-        command=("examples/attribution.py", "--out", "{dir}", "--json", "{json}"),
-        name="attribution.png",
-        caption="Test digits and their saliency, integrated gradients and Grad-CAM maps "
-                "for a CNN trained 30 epochs (examples/attribution.py).",
-    ),
-    Figure(
         page="meta_learning.md",
         command=("examples/maml_sinusoid.py", "--out", "{out}", "--json", "{json}"),
         name="maml_sinusoid.png",
         caption="MAML vs a pretrained network on a held-out sine task: before and after 1 "
                 "and 10 SGD steps on K points (examples/maml_sinusoid.py).",
+    ),
+]
+
+# Not drawn yet: their `make figures` runs (attribution.py 30 epochs; pinn_burgers.py,
+# 500 Adam steps + 2000 L-BFGS iterations) could not finish while a test suite held both
+# cores (issue 30). Their pages show no figure until they are drawn: move each into FIGURES,
+# run `make figures FIGURES=<name>`, quote its JSON on the page (tests/test_figures.py has
+# the checks) and commit the PNG and the JSON. A --quick figure is never committed.
+NOT_YET_DRAWN = [
+    Figure(
+        page="attribution.md",
+        command=("examples/attribution.py", "--out", "{dir}", "--json", "{json}"),
+        name="attribution.png",
+        caption="Test digits and their saliency, integrated gradients and Grad-CAM maps "
+                "for a CNN trained 30 epochs (examples/attribution.py).",
     ),
     Figure(
         page="physics_informed.md",
@@ -120,10 +128,12 @@ FIGURES = [
 ]
 
 
-def select(names, figures=FIGURES):
-    """The figures named (`"maml_sinusoid"` or `"maml_sinusoid.png"`); all for no names."""
+def select(names, figures=None):
+    """The figures named (`"maml_sinusoid"` or `"maml_sinusoid.png"`, also one not yet
+    drawn); all of FIGURES for no names."""
     if not names:
-        return list(figures)
+        return list(FIGURES if figures is None else figures)
+    figures = FIGURES + NOT_YET_DRAWN if figures is None else figures
     wanted = {n if n.endswith(".png") else n + ".png" for n in names}
     unknown = wanted - {f.name for f in figures}
     if unknown:
