@@ -155,7 +155,8 @@ def check_attribution(data, text):
         r"([\d.]+)% at most", prose(text))[0]
     assert fixed(data["test_accuracy"], 3) == accuracy
     assert fixed(100 * data["ig_completeness_max_relative_error"], 1) == error
-    assert data["test_accuracy"] >= 0.9  # a trained model: its maps are worth showing
+    assert data["test_accuracy"] >= 0.8  # a trained model (chance: 0.1), as the page says
+    assert data["predicted"] == data["labels"]  # the page: every digit shown is classified right
 
 
 def check_wgan_gp_ring(data, text):
