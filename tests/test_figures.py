@@ -45,7 +45,7 @@ def table(text, header):
     for line in lines[starts[0] + 2:]:
         if not line.startswith("|"):
             break
-        rows.append([cell.strip().strip("*") for cell in line.strip().strip("|").split("|")])
+        rows.append([cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")])
     return rows
 
 
