@@ -42,12 +42,21 @@ test-fast: $(STAMP)
 test-keras: $(STAMP)
 	$(PY) tools/keras_tests/run.py
 
-# The documentation site into build/site: the examples draw the figures, then a
-# strict mkdocs build (README home page, docs/*.md, API reference from docstrings).
+# The documentation site into build/site: a strict mkdocs build (README home
+# page, docs/*.md, API reference from docstrings) with the committed figures of
+# docs/figures/. Runs no example (seconds).
 .PHONY: docs
 docs: $(STAMP)
-	$(PY) docs/gen_figures.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The documentation's figures: every example that draws one, trained as its page
+# describes (no --quick; matplotlib, scikit-learn and dp-accounting come with
+# .[test]), writes docs/figures/<name>.png and <name>.json (the
+# numbers the page quotes; tests/test_figures.py checks them). Commit both.
+# About 15-25 min on 2 cores; FIGURES="maml_sinusoid pinn_burgers" redraws some.
+.PHONY: figures
+figures: $(STAMP)
+	$(PY) docs/gen_figures.py $(if $(FIGURES),--only $(FIGURES))
 
 $(OLDEST_STAMP): pyproject.toml
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)

@@ -1,24 +1,25 @@
 """MkDocs hooks of the documentation site (issue 23; `hooks:` in mkdocs.yml).
 
 - The home page is README.md (links into docs/ made site-relative; links to
-  other repository files kept as their text); CHANGELOG.md is a page too.
+  other repository files kept as their text); CHANGELOG.md is a page too
+  (its links rewritten the same way).
 - The API reference (`api/*.md`) is generated from `kt.__all__` by
   `docs/gen_api.py`, so a new export gets its entry without an edit.
-- The figures of `docs/gen_figures.py` (PNGs written by the examples) are
-  added to the site and shown on their pages. A missing PNG fails the build
-  with the command to run, unless KT_DOCS_FIGURES=optional (the fast site test:
-  the page then says the figure was not generated).
+- The figures of `docs/gen_figures.py` (PNGs written by the examples, with
+  their numbers in a JSON beside each) are committed in docs/figures/ by
+  `make figures`; the build runs no example and shows each PNG on its page
+  (where the page links `figures/<name>`, else at its end). A missing PNG
+  fails the build with the command to run.
 - The navigation is in reading order (`nav_rank`): Home, Getting started,
   Concepts, one page per capability (`CAPABILITIES`, then any page not
   listed anywhere, by file name: a new page appears without editing this
   file), Recipes (From keras.io), Extending, Faults, the API reference,
-  the Changelog last.
+  Versioning, the Changelog last.
 - pytest-markdown-docs' fence options (`python notest`, `python continuation`)
   are dropped from the rendered code fences so they highlight as Python.
 """
 
 import importlib.util
-import os
 import pathlib
 import re
 
@@ -76,20 +77,18 @@ def readme_as_home(text):
 
 
 def figures_dir():
-    return pathlib.Path(os.environ.get("KT_DOCS_FIGURES_DIR", gen_figures.DEFAULT_OUT))
+    """docs/figures: inside docs_dir, so mkdocs copies the PNGs (and JSONs) itself."""
+    return gen_figures.DEFAULT_OUT
 
 
 def on_files(files, config):
     files.append(File.generated(config, "index.md",
                                 content=readme_as_home((REPO / "README.md").read_text("utf-8"))))
     files.append(File.generated(config, "changelog.md",
-                                content=(REPO / "CHANGELOG.md").read_text("utf-8")))
+                                content=site_links((REPO / "CHANGELOG.md").read_text("utf-8"),
+                                                   prefix="")))
     for path, content in gen_api.api_pages().items():
         files.append(File.generated(config, path, content=content))
-    for figure in gen_figures.FIGURES:
-        png = figures_dir() / figure.name
-        if png.exists():
-            files.append(File.generated(config, f"figures/{figure.name}", abs_src_path=str(png)))
     return files
 
 
@@ -103,7 +102,10 @@ CAPABILITIES = (
     "privacy.md", "selection.md", "adversarial.md", "attribution.md", "meta_learning.md",
     "physics_informed.md", "distributed.md",
 )
-AFTER = ("recipes.md", "from_keras_io.md", "extending.md", "faults.md", "api/", "changelog.md")
+AFTER = (
+    "recipes.md", "from_keras_io.md", "extending.md", "faults.md", "api/", "versioning.md",
+    "changelog.md",
+)
 
 
 def nav_rank(src_uri):
@@ -157,17 +159,12 @@ def on_page_markdown(markdown, page, config, files):
         if page.file.src_uri != figure.page:
             continue
         link = f"figures/{figure.name}"
-        if (figures_dir() / figure.name).exists():
-            if link not in markdown:
-                markdown += f"\n\n## Figure\n\n![{figure.caption}]({link})\n\n*{figure.caption}*\n"
-        elif os.environ.get("KT_DOCS_FIGURES") == "optional":
-            markdown = markdown.replace(f"]({link})", "](#)")
-            markdown += (f"\n\n*Figure `{figure.name}` not generated in this build "
-                         "(run `make docs`).*\n")
-        else:
+        if not (figures_dir() / figure.name).exists():
             raise PluginError(
                 f"{figure.page} shows {figure.name}, which {figure.command[0]} has not "
-                f"written to {figures_dir()}: run `python docs/gen_figures.py` first "
-                "(make docs does), or set KT_DOCS_FIGURES=optional."
+                f"written to {figures_dir()}: run `make figures` (or `python "
+                f"docs/gen_figures.py --only {figure.name}`) and commit the PNG and its JSON."
             )
+        if link not in markdown:
+            markdown += f"\n\n## Figure\n\n![{figure.caption}]({link})\n\n*{figure.caption}*\n"
     return markdown

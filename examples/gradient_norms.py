@@ -18,10 +18,11 @@ History holds each epoch's mean (and `grad_norm_max`). For a per-step
 curve, `PerStepValues` recovers each step's value from the running means
 Keras passes to `on_train_batch_end` (value_k = k * mean_k - (k-1) * mean_{k-1}).
 
-Run: python examples/gradient_norms.py [out.png]   (about 15 s on a laptop CPU;
+Run: python examples/gradient_norms.py [out.png [numbers.json]]   (about 15 s on a laptop CPU;
 the PNG needs matplotlib: pip install "keras-tapeops[examples]")
 """
 
+import json
 import os
 import sys
 
@@ -119,7 +120,8 @@ def plot(steps, path):
     return True
 
 
-def main(path="gradient_norms.png"):
+def main(path="gradient_norms.png", json_path=None):
+    """Trains, prints the epoch means and writes the PNG (and the numbers as JSON if asked)."""
     keras.utils.set_random_seed(0)
     x, y = make_data()
     model = make_model()
@@ -154,7 +156,16 @@ def main(path="gradient_norms.png"):
     print(f"final accuracy: {history['accuracy'][-1]:.3f}")
     if plot(steps, path):
         print(f"wrote {path}")
+    if json_path:
+        numbers = dict(epochs=EPOCHS, batch=BATCH, clip=CLIP, steps=len(steps.values["grad_norm"]),
+                       clipped_steps=int(clipped), per_step_reproduces_epoch_means=bool(reproduced),
+                       final_accuracy=float(history["accuracy"][-1]),
+                       epoch_means={n: [float(v) for v in history[n]]
+                                    for n in ["grad_norm_max"] + names})
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(numbers, f, indent=2)
+        print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

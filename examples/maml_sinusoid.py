@@ -24,9 +24,15 @@ held-out task: the true wave, the K points, and each model before and after
 1 and 10 adaptation steps (`MetaLearner.adapt`).
 
 Usage: python examples/maml_sinusoid.py [--quick] [--out maml_sinusoid.png]
+           [--meta-steps N] [--json numbers.json]
+
+`--json` writes the table (query MSE per model, K and number of steps) to a
+JSON file; `make figures` keeps it next to the documentation's copy of the
+PNG (docs/figures/).
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -133,6 +139,7 @@ def main():
     parser.add_argument("--meta-steps", type=int, default=None,
                         help="meta-batches of 25 tasks per MAML model (default 6000)")
     parser.add_argument("--out", default="maml_sinusoid.png", help="the figure's path")
+    parser.add_argument("--json", default=None, help="also write the table to this JSON file")
     args = parser.parse_args()
     meta_steps = args.meta_steps or (20 if args.quick else 6000)
     test_tasks = 50 if args.quick else TEST_TASKS
@@ -168,6 +175,16 @@ def main():
         plot(args.out, models, shots_list, np.random.default_rng(7))
     except ImportError:
         print("matplotlib is not installed (pip install keras_tapeops[examples]): no figure")
+    if args.json:
+        numbers = dict(
+            meta_steps=meta_steps, meta_batch=META_BATCH, test_tasks=test_tasks,
+            query_points=QUERY, inner_learning_rate=INNER_LR, quick=args.quick,
+            query_mse=[dict(model=label, shots=shots, steps_0=before, steps_1=one, steps_10=ten)
+                       for (label, shots), (before, one, ten) in results.items()],
+        )
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(numbers, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

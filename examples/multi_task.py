@@ -18,10 +18,14 @@ task weights and gradient cosine, and the time per epoch.
 Writes `multi_task.png` (or the path given with `--out`): toy trajectories and
 the per-task validation curves. `--quick` runs a few steps only (smoke test).
 
-Run: python examples/multi_task.py [--quick] [--out multi_task.png]
+Run: python examples/multi_task.py [--quick] [--out multi_task.png] [--json numbers.json]
+
+`--json` writes both printed tables to a JSON file; `make figures` keeps it
+next to the documentation's copy of the PNG (docs/figures/).
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -82,7 +86,8 @@ def toy_trajectories(aggregator, starts, steps, learning_rate=0.01):
     return [path[:, i] for i in range(len(starts))], finals
 
 
-def run_toy(steps):
+def run_toy(steps, table=None):
+    """Trajectories per method; appends each method's final (f1, f2) per start to `table`."""
     methods = {
         "sum": None,
         "PCGrad": kt.PCGrad(seed=0),
@@ -95,6 +100,8 @@ def run_toy(steps):
     for name, aggregator in methods.items():
         paths[name], losses = toy_trajectories(aggregator, STARTS, steps)
         finals = [f"f=({f1:6.2f},{f2:6.2f})" for f1, f2 in losses]
+        if table is not None:
+            table.append(dict(method=name, final=[[float(f1), float(f2)] for f1, f2 in losses]))
         print(f"{name:<14}" + "".join(f"  {f:<20}" for f in finals))
     return paths
 
@@ -137,7 +144,8 @@ class EpochTimer(keras.callbacks.Callback):
         return float(np.median(times))
 
 
-def run_model(epochs, n):
+def run_model(epochs, n, table=None):
+    """Validation curves per method; appends each method's printed row to `table`."""
     x, y = make_data(n, 0)
     x_val, y_val = make_data(n // 2, 1)
     keras.utils.set_random_seed(0)
@@ -166,6 +174,11 @@ def run_model(epochs, n):
         curves[name] = {k: np.array(logs[f"val_{k}_loss"]) / variance[k] for k in ("a", "b")}
         weight = [logs.get(f"{k}_weight", [1.0])[-1] for k in ("a", "b")]
         cosine = logs.get("cosine_a_b", [float("nan")])[-1]
+        if table is not None:
+            table.append(dict(method=name, val_a=float(curves[name]["a"][-1]),
+                              val_b=float(curves[name]["b"][-1]), weight_a=float(weight[0]),
+                              weight_b=float(weight[1]), cosine=float(cosine),
+                              seconds_per_epoch=per_epoch))
         print(f"{name:<12} {curves[name]['a'][-1]:11.3f} {curves[name]['b'][-1]:11.3f} "
               f"{weight[0]:9.3f} {weight[1]:9.3f} {cosine:9.3f} {per_epoch:8.3f}")
     return curves
@@ -207,11 +220,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps (smoke test)")
     parser.add_argument("--out", default="multi_task.png", help="where to write the PNG")
+    parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args()
     steps, epochs, n = (10, 2, 96) if args.quick else (3000, 30, 2048)
-    paths = run_toy(steps)
-    curves = run_model(epochs, n)
+    toy, model = [], []
+    paths = run_toy(steps, toy)
+    curves = run_model(epochs, n, model)
     plot(paths, curves, args.out)
+    if args.json:
+        numbers = dict(toy_steps=steps, toy_starts=[list(s) for s in STARTS], epochs=epochs,
+                       samples=n, quick=args.quick, toy=toy, model=model)
+        with open(args.json, "w", encoding="utf-8") as f:
+            # NaN (the cosine of a method that logs none) is written as null.
+            f.write(json.dumps(numbers, indent=2).replace("NaN", "null"))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ matplotlib if installed (`pip install keras-tapeops[examples]`), else a tiny
 built-in PNG writer. Runs in well under a minute on a CPU.
 
 Usage:
-    python examples/wgan_gp.py [out.png]
+    python examples/wgan_gp.py [out.png [numbers.json]]
+
+The second argument writes the printed distances to a JSON file; `make
+figures` keeps it next to the documentation's copy of the PNG (docs/figures/).
 """
 
+import json
 import os
 import struct
 import sys
@@ -49,7 +53,7 @@ def distance_to_ring(samples):
     return float(np.mean(np.abs(np.linalg.norm(samples, axis=1) - RADIUS)))
 
 
-def main(out_path="wgan_gp_ring.png"):
+def main(out_path="wgan_gp_ring.png", json_path=None):
     keras.utils.set_random_seed(0)
     real = ring_of_gaussians(4096)
     gan = kt.WGANGP(
@@ -61,13 +65,20 @@ def main(out_path="wgan_gp_ring.png"):
         critic_optimizer=keras.optimizers.Adam(2e-3, beta_1=0.5, beta_2=0.9),
     )
     noise = np.random.default_rng(1).normal(size=(1024, 2)).astype("float32")
-    print(f"mean distance to the ring before: "
-          f"{distance_to_ring(gan.predict(noise, verbose=0)):.3f}")
+    before = distance_to_ring(gan.predict(noise, verbose=0))
+    print(f"mean distance to the ring before: {before:.3f}")
     gan.fit(real, batch_size=64, epochs=8, verbose=2)
     fake = gan.predict(noise, verbose=0)
-    print(f"mean distance to the ring after:  {distance_to_ring(fake):.3f}")
+    after = distance_to_ring(fake)
+    print(f"mean distance to the ring after:  {after:.3f}")
     scatter_png(out_path, real[:1024], fake)
     print(f"wrote {out_path}")
+    if json_path:
+        numbers = dict(epochs=8, batch=64, samples=len(real), radius=RADIUS,
+                       distance_before=float(before), distance_after=float(after))
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(numbers, f, indent=2)
+        print(f"wrote {json_path}")
 
 
 # ------------------------------------------------------------------ plotting
@@ -118,4 +129,4 @@ def write_png(path, image):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

@@ -1,13 +1,14 @@
 """The documentation site builds in strict mode; its API reference names every public symbol (issue 23).
 
 The build runs `python -m mkdocs build --strict` as `make docs` does, into a
-temporary directory, with KT_DOCS_FIGURES=optional so it does not run the
-examples (about 20 s); the figure runner itself is tested on a small script.
+temporary directory (about 20 s), with the figures committed in docs/figures/
+(`make figures`; their numbers are checked by tests/test_figures.py); the
+figure runner itself is tested on a small script.
 """
 
 import html as html_module
+import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -25,11 +26,8 @@ gen_api = load_docs_module("gen_api")
 gen_figures = load_docs_module("gen_figures")
 
 
-def build(site, config=REPO / "mkdocs.yml", figures_dir=None):
-    env = dict(os.environ, KT_DOCS_FIGURES="optional", NO_MKDOCS_2_WARNING="1",
-               TF_CPP_MIN_LOG_LEVEL="3")
-    if figures_dir is not None:
-        env["KT_DOCS_FIGURES_DIR"] = str(figures_dir)
+def build(site, config=REPO / "mkdocs.yml"):
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
@@ -37,9 +35,8 @@ def build(site, config=REPO / "mkdocs.yml", figures_dir=None):
 
 
 def test_site_builds_in_strict_mode_with_every_page_and_symbol(tmp_path):
-    # One build (about 7 s), checked by the functions below; an empty figures
-    # directory: the build must not depend on a previous `make docs`.
-    result = build(tmp_path / "site", figures_dir=tmp_path / "no-figures")
+    # One build (about 7 s), checked by the functions below.
+    result = build(tmp_path / "site")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     site = tmp_path / "site"
     check_every_docs_page_is_built_and_in_the_navigation(site)
@@ -47,6 +44,7 @@ def test_site_builds_in_strict_mode_with_every_page_and_symbol(tmp_path):
     check_readme_is_the_home_page(site)
     check_api_reference_names_every_public_symbol(site)
     check_fence_options_are_not_rendered(site)
+    check_figures_are_shown(site)
 
 
 def check_every_docs_page_is_built_and_in_the_navigation(site):
@@ -123,6 +121,14 @@ def check_fence_options_are_not_rendered(site):
             assert (option in text_of(html)) == (option in prose), option
 
 
+def check_figures_are_shown(site):
+    # Each committed figure is copied into the site and shown on its page.
+    for figure in gen_figures.FIGURES:
+        assert (site / "figures" / figure.name).read_bytes().startswith(b"\x89PNG"), figure.name
+        html = (site / figure.page.replace(".md", ".html")).read_text("utf-8")
+        assert f'src="figures/{figure.name}"' in html, figure.name
+
+
 def test_strict_build_fails_on_a_broken_link(tmp_path):
     # Companion: the same configuration over a copy of the pages, one of them
     # with a link to a page that does not exist.
@@ -136,8 +142,8 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     config["hooks"] = [str(REPO / "docs" / "hooks.py")]
     config["plugins"] = ["search"]  # the API pages' `:::` lines stay text: a faster build
     (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config), "utf-8")
-    result = build(tmp_path / "site", config=tmp_path / "mkdocs.yml",
-                   figures_dir=tmp_path / "no-figures")
+    (docs / "figures").symlink_to(REPO / "docs" / "figures")
+    result = build(tmp_path / "site", config=tmp_path / "mkdocs.yml")
     assert result.returncode != 0
     assert "no_such_page.md" in result.stdout + result.stderr
 
@@ -149,6 +155,7 @@ def test_figures_name_existing_pages_and_examples():
         assert (REPO / "docs" / figure.page).exists(), figure.page
         assert figure.script.exists(), figure.command[0]
         assert "{out}" in figure.command or "{dir}" in figure.command
+        assert "{json}" in figure.command and "--quick" not in figure.command
 
 
 PNG_WRITER = """
@@ -160,19 +167,26 @@ with open(sys.argv[1], "wb") as f:
     f.write(b"\\x89PNG\\r\\n\\x1a\\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
 """
+NUMBERS_WRITER = """
+import json
+json.dump({"error": 0.25}, open(sys.argv[3], "w"))
+"""
 
 
-def test_figure_runner_runs_the_example_and_keeps_fresh_pngs(tmp_path):
+def test_figure_runner_runs_the_example_and_adds_the_run_to_its_numbers(tmp_path):
     script = tmp_path / "draw.py"
-    script.write_text(PNG_WRITER, "utf-8")
-    figure = gen_figures.Figure("sam.md", (str(script), "{out}"), "draw.png", "A test figure.")
+    script.write_text(PNG_WRITER + NUMBERS_WRITER, "utf-8")
+    figure = gen_figures.Figure("sam.md", (str(script), "{out}", "--json", "{json}"),
+                                "draw.png", "A test figure.")
     out = tmp_path / "figures"
     logs = []
     [png] = gen_figures.generate([figure], out=out, log=logs.append)
     assert png == out / "draw.png" and png.read_bytes().startswith(b"\x89PNG")
     assert logs[-1].startswith("draw.png: ")
-    gen_figures.generate([figure], out=out, log=logs.append)
-    assert logs[-1] == "draw.png: up to date"
+    numbers = json.loads((out / "draw.json").read_text("utf-8"))
+    assert numbers["error"] == 0.25
+    assert numbers["run"]["command"] == f"python {script} {out}/draw.png --json {out}/draw.json"
+    assert numbers["run"]["wall_seconds"] >= 0 and numbers["run"]["cpu_seconds"] >= 0
 
 
 def test_figure_runner_names_an_example_that_writes_no_png(tmp_path):
@@ -181,6 +195,26 @@ def test_figure_runner_names_an_example_that_writes_no_png(tmp_path):
     figure = gen_figures.Figure("sam.md", (str(script), "{out}"), "none.png", "Missing.")
     with pytest.raises(RuntimeError, match="silent.py did not write"):
         gen_figures.generate([figure], out=tmp_path / "figures", log=lambda _: None)
+
+
+def test_figure_runner_names_an_example_that_writes_no_numbers(tmp_path):
+    script = tmp_path / "draw.py"
+    script.write_text(PNG_WRITER, "utf-8")
+    out = tmp_path / "figures"
+    out.mkdir()
+    (out / "draw.json").write_text('{"error": 0.1}', "utf-8")  # an old run's: removed first
+    figure = gen_figures.Figure("sam.md", (str(script), "{out}", "{json}"), "draw.png", "D.")
+    with pytest.raises(RuntimeError, match="draw.py did not write .*draw.json"):
+        gen_figures.generate([figure], out=out, log=lambda _: None)
+    assert not (out / "draw.json").exists()
+
+
+def test_figure_runner_selects_figures_by_name():
+    assert gen_figures.select([]) == gen_figures.FIGURES
+    assert [f.name for f in gen_figures.select(["maml_sinusoid", "pinn_burgers.png"])] == [
+        "maml_sinusoid.png", "pinn_burgers.png"]
+    with pytest.raises(SystemExit, match="no figure named"):
+        gen_figures.select(["nope"])
 
 
 def test_version_in_one_place():
@@ -199,15 +233,3 @@ def test_figure_runner_passes_the_folder_to_an_example_that_names_its_png(tmp_pa
     figure = gen_figures.Figure("sam.md", (str(script), "--out", "{dir}"), "fixed.png", "Fixed.")
     [png] = gen_figures.generate([figure], out=tmp_path / "figures", log=lambda _: None)
     assert png.read_bytes().startswith(b"\x89PNG")
-
-
-def test_full_figures_run_the_examples_without_quick(tmp_path):
-    script = tmp_path / "draw_args.py"
-    script.write_text(PNG_WRITER + "open(sys.argv[1] + '.args', 'w').write(' '.join(sys.argv[2:]))\n",
-                      "utf-8")
-    figure = gen_figures.Figure("sam.md", (str(script), "{out}", "--quick"), "q.png", "Q.")
-    out = tmp_path / "figures"
-    gen_figures.generate([figure], out=out, log=lambda _: None)
-    assert (out / "q.png.args").read_text() == "--quick"
-    gen_figures.generate([figure], out=out, log=lambda _: None, full=True)  # runs again
-    assert (out / "q.png.args").read_text() == ""

@@ -128,14 +128,15 @@ def test_navigation_is_in_reading_order():
     hooks = load_hooks()
     pages = ["changelog.md", "api/index.md", "extending.md", "recipes.md", "zz_new.md",
              "distributed.md", "gan.md", "transforms.md", "upgrade.md", "concepts.md",
-             "getting_started.md", "index.md", "faults.md", "aa_new.md", "from_keras_io.md"]
+             "getting_started.md", "index.md", "faults.md", "aa_new.md", "from_keras_io.md",
+             "versioning.md"]
     ordered = sorted(pages, key=hooks.nav_rank)
     assert ordered == [
         "index.md", "getting_started.md", "concepts.md",
         "upgrade.md", "transforms.md", "gan.md", "distributed.md",  # the capabilities
         "aa_new.md", "zz_new.md",  # unlisted pages: after the capabilities, by name
         "recipes.md", "from_keras_io.md", "extending.md", "faults.md", "api/index.md",
-        "changelog.md",
+        "versioning.md", "changelog.md",
     ]
 
 
