@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-# ruff (pycodestyle + pyflakes, [tool.ruff] in pyproject.toml) and mypy (the
-# type check, [tool.mypy]) over the package; `make test` runs it first.
+# ruff (pycodestyle + pyflakes and the formatter's check, [tool.ruff] in
+# pyproject.toml) and mypy (the type check, [tool.mypy]) over the package;
+# `make test` runs it first.
 lint: $(STAMP)
 	$(PY) -m ruff check keras_tapeops
+	$(PY) -m ruff format --check keras_tapeops
 	$(PY) -m mypy
 
 test: lint

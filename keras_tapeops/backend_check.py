@@ -1,22 +1,25 @@
-"""Refuses to run on a Keras backend other than TensorFlow."""
+"""Refuses to run on a Keras backend keras_tapeops does not support."""
 
 import keras
 
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
 
-def require_tensorflow_backend():
-    """Raises ImportError unless Keras runs on the TensorFlow backend.
+
+def require_supported_backend() -> str:
+    """Returns the Keras backend; raises ImportError unless TensorFlow or JAX.
 
     Returns:
-        None.
+        `"tensorflow"` or `"jax"`.
 
     Example:
     ```python
-    require_tensorflow_backend()  # no-op with KERAS_BACKEND=tensorflow
+    require_supported_backend()  # "tensorflow" with KERAS_BACKEND=tensorflow
     ```
     """
     backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if backend not in SUPPORTED_BACKENDS:
         raise ImportError(
-            "keras_tapeops needs the TensorFlow backend of Keras 3 (set "
-            f"KERAS_BACKEND=tensorflow); the current backend is '{backend}'."
+            "keras_tapeops needs the TensorFlow or the JAX backend of Keras 3 (set "
+            f"KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax); the current backend is '{backend}'."
         )
+    return backend

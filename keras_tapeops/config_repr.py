@@ -22,9 +22,7 @@ class ConfigRepr:
 
     def __repr__(self):
         arguments = ", ".join(
-            f"{key}={_show(value)}"
-            for key, value in vars(self).items()
-            if not key.startswith("_")
+            f"{key}={_show(value)}" for key, value in vars(self).items() if not key.startswith("_")
         )
         return f"{type(self).__name__}({arguments})"
 
@@ -37,14 +35,14 @@ def _show(value):
     if isinstance(value, ConfigRepr):
         return repr(value)
     if isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or (
-        callable(value) and not isinstance(value, type)
-        and not hasattr(value, "__name__") and hasattr(value, "get_config")
+        callable(value)
+        and not isinstance(value, type)
+        and not hasattr(value, "__name__")
+        and hasattr(value, "get_config")
     ):
         # A schedule (or other serializable callable object): its class and
         # config, not the default `<... object at 0x...>`.
-        arguments = ", ".join(
-            f"{key}={_show(item)}" for key, item in value.get_config().items()
-        )
+        arguments = ", ".join(f"{key}={_show(item)}" for key, item in value.get_config().items())
         return f"{type(value).__name__}({arguments})"
     if callable(value) and hasattr(value, "__name__"):
         return value.__name__

@@ -38,7 +38,10 @@ from keras_tapeops.typing_aliases import ModelMixinBase
 
 # Options that change how the gradient is computed, not what is done with it.
 _NEEDS_THE_LIBRARYS_STEP = (
-    "micro_batches", "sharpness_aware", "task_balancing", "differential_privacy",
+    "micro_batches",
+    "sharpness_aware",
+    "task_balancing",
+    "differential_privacy",
     "sample_selection",
 )
 
@@ -47,7 +50,9 @@ class CustomStepMethods(ModelMixinBase):
     """`apply_gradients_with_options`: the options' gradient pipeline for a custom step."""
 
     def apply_gradients_with_options(
-        self, grads: Sequence[Gradient], batch_size: int | tf.Tensor | None = None,
+        self,
+        grads: Sequence[Gradient],
+        batch_size: int | tf.Tensor | None = None,
         variables: Sequence[keras.Variable] | None = None,
     ) -> tf.Tensor | None:
         """Applies `grads` through the compiled gradient options, in a custom `train_step`.
@@ -99,9 +104,12 @@ class CustomStepMethods(ModelMixinBase):
             state.bind_variables(self)
             state.saveable.restore_pending()
         if options is not None:
-            compiled = [option.name for option in OPTIONS
-                        if option.name in _NEEDS_THE_LIBRARYS_STEP
-                        and option.is_set(getattr(options, option.name))]
+            compiled = [
+                option.name
+                for option in OPTIONS
+                if option.name in _NEEDS_THE_LIBRARYS_STEP
+                and option.is_set(getattr(options, option.name))
+            ]
             if compiled:
                 raise ValueError(
                     "apply_gradients_with_options() applies what is done with "

@@ -56,8 +56,12 @@ _ZERO = tf.UnconnectedGradients.ZERO
 
 
 def input_derivatives(
-    fn: Callable[[Any], Any], x: Nested, order: int = 1, mode: str = "auto",
-    mixed: Sequence[Sequence[int]] | None = None, diagonal: Sequence[int] | None = None,
+    fn: Callable[[Any], Any],
+    x: Nested,
+    order: int = 1,
+    mode: str = "auto",
+    mixed: Sequence[Sequence[int]] | None = None,
+    diagonal: Sequence[int] | None = None,
 ) -> tuple[tf.Tensor, ...]:
     """Returns `fn(x)` and its derivatives w.r.t. each input coordinate, per row.
 
@@ -111,9 +115,7 @@ def input_derivatives(
     ```
     """
     if not callable(fn):
-        raise TypeError(
-            f"`fn` must be a callable x -> y (e.g. a Keras model). Received: fn={fn!r}"
-        )
+        raise TypeError(f"`fn` must be a callable x -> y (e.g. a Keras model). Received: fn={fn!r}")
     order = check_order(order)
     mode = validation.choice(mode, "mode", MODES)
     x = check_points(x, "x")
@@ -199,8 +201,8 @@ def check_diagonal(diagonal, order, n_in, pairs=()):
             f"Received: order={order!r}, diagonal={diagonal!r}"
         )
     ok = isinstance(diagonal, (list, tuple)) and all(
-        isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
-        and 0 <= i < n_in for i in diagonal
+        isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_)) and 0 <= i < n_in
+        for i in diagonal
     )
     if not ok:
         raise ValueError(
@@ -221,21 +223,22 @@ def check_mixed(mixed, order, n_in=None):
         return ()
     if order != 2:
         raise ValueError(
-            "`mixed` second derivatives need `order=2`. "
-            f"Received: order={order!r}, mixed={mixed!r}"
+            f"`mixed` second derivatives need `order=2`. Received: order={order!r}, mixed={mixed!r}"
         )
     if not isinstance(mixed, (list, tuple)) or not mixed:
         raise ValueError(
-            "`mixed` must be a non-empty list of (i, j) index pairs. "
-            f"Received: mixed={mixed!r}"
+            f"`mixed` must be a non-empty list of (i, j) index pairs. Received: mixed={mixed!r}"
         )
     pairs = []
     for pair in mixed:
         ok = (
-            isinstance(pair, (list, tuple)) and len(pair) == 2
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
             and all(
-                isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_))
-                and i >= 0 and (n_in is None or i < n_in)
+                isinstance(i, numbers.Integral)
+                and not isinstance(i, (bool, np.bool_))
+                and i >= 0
+                and (n_in is None or i < n_in)
                 for i in pair
             )
         )
@@ -259,9 +262,7 @@ def _outputs(fn, x):
         )
     y = tf.convert_to_tensor(y)
     if not y.dtype.is_floating:
-        raise TypeError(
-            f"`fn` must return a floating tensor. Received: dtype {y.dtype.name}"
-        )
+        raise TypeError(f"`fn` must return a floating tensor. Received: dtype {y.dtype.name}")
     if y.dtype in (tf.float16, tf.bfloat16):
         y = tf.cast(y, "float32")
     if y.shape.rank == 1:
@@ -317,8 +318,7 @@ def _reverse(fn, x, order, diagonal, pairs):
     del inner
     # Row i of output o's Hessian: d/dx (d y_o / d x_i), one backward pass.
     hessian = [
-        {i: outer.gradient(t[i], x, unconnected_gradients=_ZERO) for i in lines}
-        for t in targets
+        {i: outer.gradient(t[i], x, unconnected_gradients=_ZERO) for i in lines} for t in targets
     ]
     del outer
     return _second_order_results(x, y, rows, hessian, diagonal, pairs)
@@ -365,13 +365,15 @@ def _second_order_results(x, y, rows, hessian, diagonal, pairs):
     n_in = int(x.shape[-1])
     missing = tf.fill(tf.shape(x)[:1], tf.constant(float("nan"), rows[0].dtype))
     d2 = tf.stack(
-        [tf.stack([h[i][:, i] if i in diagonal else missing for i in range(n_in)], axis=-1)
-         for h in hessian],
+        [
+            tf.stack([h[i][:, i] if i in diagonal else missing for i in range(n_in)], axis=-1)
+            for h in hessian
+        ],
         axis=1,
     )
     results = (y, tf.stack(rows, axis=1), d2)
     if pairs:
-        results += (tf.stack(
-            [tf.stack([h[i][:, j] for i, j in pairs], axis=-1) for h in hessian], axis=1
-        ),)
+        results += (
+            tf.stack([tf.stack([h[i][:, j] for i, j in pairs], axis=-1) for h in hessian], axis=1),
+        )
     return results

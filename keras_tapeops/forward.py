@@ -43,8 +43,15 @@ def forward_and_loss(model, x, y, sample_weight, training, compute_terms, log=Tr
     loss = private.compute_loss(model, x, y, y_pred, sample_weight, training)
     n = batch_size(x)
     context = TermContext(
-        model, x, y, y_pred, sample_weight, training,
-        recorder["activations"], recorder["tape"], recorder["watched"],
+        model,
+        x,
+        y,
+        y_pred,
+        sample_weight,
+        training,
+        recorder["activations"],
+        recorder["tape"],
+        recorder["watched"],
     )
     values = list(compute_terms(terms, context))
     if values:
@@ -59,9 +66,7 @@ def forward_and_loss(model, x, y, sample_weight, training, compute_terms, log=Tr
         total = tf.add_n([tf.cast(v, "float32") for v in values])
         loss = loss + tf.cast(scale_for_distribution(total), loss.dtype)
     if log:
-        private.loss_tracker(model).update_state(
-            unscale_for_distribution(loss), sample_weight=n
-        )
+        private.loss_tracker(model).update_state(unscale_for_distribution(loss), sample_weight=n)
     return loss, y_pred
 
 

@@ -110,7 +110,9 @@ def optimizer_groups(
         check_sub_optimizer(default, "default")
     variables = trainable_capable_variables(model)
     owner = exclusive_owners(
-        model, variables, [where for where, _ in groups],
+        model,
+        variables,
+        [where for where, _ in groups],
         lambda variable, j, i: (
             f"Variable {variable.path!r} is selected by two groups: "
             f"groups[{j}] (where={selectors.describe(groups[j][0])}) and "
@@ -127,10 +129,7 @@ def optimizer_groups(
             "them to a group or pass `default=<optimizer>`. "
             f"Received: groups={describe_groups(groups)}"
         )
-    assignment = [
-        (v, groups[owner[id(v)]][1] if id(v) in owner else default)
-        for v in variables
-    ]
+    assignment = [(v, groups[owner[id(v)]][1] if id(v) in owner else default) for v in variables]
     return build_multi_optimizer(model, assignment, default)
 
 
@@ -323,9 +322,7 @@ def build_multi_optimizer(model, assignment, default):
     _check_distinct_names(ordered + [default])
     tree = paths.LayerTree(model)
     layers = dict(tree.entries)
-    names = {
-        id(v): enclosing_model_names(model, tree, v, layers) for v, _ in assignment
-    }
+    names = {id(v): enclosing_model_names(model, tree, v, layers) for v, _ in assignment}
     patterns = {}  # id(optimizer) -> [variable patterns]
     for variable, optimizer in assignment:
         if optimizer is default:
@@ -389,9 +386,11 @@ def unassigned_layers(model, variables):
 
 def describe_groups(groups):
     """`[(where, optimizer name), ...]` for messages."""
-    return "[" + ", ".join(
-        f"({selectors.describe(w)}, {getattr(o, 'name', o)!r})" for w, o in groups
-    ) + "]"
+    return (
+        "["
+        + ", ".join(f"({selectors.describe(w)}, {getattr(o, 'name', o)!r})" for w, o in groups)
+        + "]"
+    )
 
 
 def check_selector_pair(pair, i, name, item, scope, hint):
@@ -422,8 +421,7 @@ def check_selector_pair(pair, i, name, item, scope, hint):
     where = selectors.validate_listed_selector(where, f"{name}[{i}]")
     if where is None:
         raise ValueError(
-            f"{name}[{i}] has where=None ({scope}); {hint}. "
-            f"Received: {name}[{i}]={pair!r}"
+            f"{name}[{i}] has where=None ({scope}); {hint}. Received: {name}[{i}]={pair!r}"
         )
     return where, second
 
@@ -438,13 +436,16 @@ def _check_groups(groups):
         )
     if not groups:
         raise ValueError(
-            "`groups` must hold at least one (where, optimizer) pair. "
-            f"Received: groups={groups!r}"
+            f"`groups` must hold at least one (where, optimizer) pair. Received: groups={groups!r}"
         )
     checked = []
     for i, pair in enumerate(groups):
         where, optimizer = check_selector_pair(
-            pair, i, "groups", "optimizer", "every variable",
+            pair,
+            i,
+            "groups",
+            "optimizer",
+            "every variable",
             "a group must select part of the model (use `default=` for the rest)",
         )
         check_sub_optimizer(optimizer, f"groups[{i}][1]")
@@ -483,7 +484,8 @@ def _check_map(optimizer_map, assignment, names):
             if found is optimizer:
                 continue
             clash = [
-                other.path for other, o in assignment
+                other.path
+                for other, o in assignment
                 if o is not optimizer and tails[id(other)] == tail
             ]
             raise ValueError(

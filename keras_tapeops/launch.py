@@ -51,10 +51,12 @@ def free_ports(n):
 
 def tf_config(ports, index):
     """The `TF_CONFIG` JSON of worker `index` in a local cluster on `ports`."""
-    return json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
-    })
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
 
 
 def launch(command, workers, timeout=None, env=None, out=None):
@@ -87,12 +89,17 @@ def launch(command, workers, timeout=None, env=None, out=None):
         worker_env["TF_CONFIG"] = tf_config(ports, index)
         worker_env.setdefault("PYTHONUNBUFFERED", "1")
         process = subprocess.Popen(
-            command, env=worker_env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace",
+            command,
+            env=worker_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
         )
         processes.append(process)
         thread = threading.Thread(
-            target=_stream, args=(process, f"[worker {index}] ", out, lock),
+            target=_stream,
+            args=(process, f"[worker {index}] ", out, lock),
             daemon=True,
         )
         thread.start()

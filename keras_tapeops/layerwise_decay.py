@@ -118,7 +118,9 @@ def layerwise_lr_decay(
             )
         blocks.append(where)
     block_of = groups_module.exclusive_owners(
-        model, variables, blocks,
+        model,
+        variables,
+        blocks,
         lambda variable, j, i: (
             f"Variable {variable.path!r} is in two blocks: layers[{j}] "
             f"({selectors.describe(layers[j])}) and layers[{i}] "
@@ -144,8 +146,7 @@ def layerwise_lr_decay(
             base_optimizer, base_rate, rest_multiplier, f"{base_optimizer.name}_rest"
         )
     assignment = [
-        (v, clones[block_of[id(v)]] if id(v) in block_of else rest_clone)
-        for v in variables
+        (v, clones[block_of[id(v)]] if id(v) in block_of else rest_clone) for v in variables
     ]
     # Blocks bottom to top, then the rest (as `default`); or the top block is
     # the default when every variable is in a block.
@@ -209,8 +210,7 @@ def _check_rest(rest):
         return validation.choice(rest, "rest", REST_CHOICES)
     if isinstance(rest, (bool, np.bool_)) or not isinstance(rest, numbers.Real):
         raise TypeError(
-            "`rest` must be 'lowest', 'error' or a multiplier in (0, 1]. "
-            f"Received: rest={rest!r}"
+            f"`rest` must be 'lowest', 'error' or a multiplier in (0, 1]. Received: rest={rest!r}"
         )
     value = validation.finite_number(rest, "rest", minimum=0.0, strict=True)
     if value > 1.0:

@@ -206,9 +206,11 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
 
         if options is not None and options.sharpness_aware is not None:
             return sam.sharpness_aware_gradients(
-                self, options.sharpness_aware,
+                self,
+                options.sharpness_aware,
                 # Compiled with the mixin's compile, so the state exists.
-                lambda: cast(ModelState, self.build_tapeops()).sam_selected, gradient_pass,
+                lambda: cast(ModelState, self.build_tapeops()).sam_selected,
+                gradient_pass,
             )
         return gradient_pass()
 
@@ -221,7 +223,10 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         return self._flag_set("_tapeops_logging", False)
 
     def batch_gradients(
-        self, x: Nested, y: Nested, sample_weight: Nested,
+        self,
+        x: Nested,
+        y: Nested,
+        sample_weight: Nested,
         loss_multiplier: tf.Tensor | float | None = None,
     ) -> tuple[list[Gradient], Nested]:
         """One (micro-)batch's gradient pass: returns `(gradients, y_pred)`.
@@ -243,7 +248,10 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         return self.single_pass_gradients(x, y, sample_weight, loss_multiplier)
 
     def single_pass_gradients(
-        self, x: Nested, y: Nested, sample_weight: Nested,
+        self,
+        x: Nested,
+        y: Nested,
+        sample_weight: Nested,
         loss_multiplier: tf.Tensor | float | None = None,
     ) -> tuple[list[Gradient], Nested]:
         """One forward/backward pass of the total loss: `(gradients, y_pred)`.
@@ -254,9 +262,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
                 differentiation (after logging).
         """
         with tf.GradientTape() as tape:
-            loss, y_pred = self.compute_total_loss(
-                x, y, sample_weight, training=True
-            )
+            loss, y_pred = self.compute_total_loss(x, y, sample_weight, training=True)
             if loss_multiplier is not None:
                 loss = loss * tf.cast(loss_multiplier, loss.dtype)
             if self.optimizer is not None:
@@ -279,7 +285,12 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         if not training:  # a custom train step is marked by apply_gradients_with_options
             step_watch.mark_step_ran(self)
         return forward.forward_and_loss(
-            self, x, y, sample_weight, training, self.compute_terms,
+            self,
+            x,
+            y,
+            sample_weight,
+            training,
+            self.compute_terms,
             log=self._tapeops_logging,
         )
 
@@ -350,13 +361,16 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         bound = state.transforms if state is not None else []
         transform: Callable[..., list[Gradient]] = self.transform_gradients
         if engine is not None:
+
             def finalize_then_transform(true_grads, variables):
                 finalized = engine.finalize(self, true_grads, variables)
                 return self.transform_gradients(finalized, variables)
 
             transform = finalize_then_transform
         return true_gradients.apply_transformed(
-            self.optimizer, grads, variables,
+            self.optimizer,
+            grads,
+            variables,
             transform=transform,
             aggregate=self.aggregate_gradients,
             keep_step=step_gate.keep_step_function(bound),
@@ -374,9 +388,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         return true_gradients.sum_over_replicas(grads)
 
     def _overrides_gradient_hooks(self):
-        return overrides(self, "transform_gradients") or overrides(
-            self, "aggregate_gradients"
-        )
+        return overrides(self, "transform_gradients") or overrides(self, "aggregate_gradients")
 
     @default_hook
     def transform_gradients(

@@ -71,7 +71,6 @@ def needs_eager_build(model):
     """
     state = model.tapeops_state
     logs_names = state is not None and (
-        state.options.loss_terms or state.options.gradient_transforms
-        or state.engine is not None
+        state.options.loss_terms or state.options.gradient_transforms or state.engine is not None
     )
     return bool(logs_names) and not state.metric_names_checked and tf.executing_eagerly()

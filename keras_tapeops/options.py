@@ -4,7 +4,10 @@ What a model resolves from them (bound transforms and terms, trackers, the
 accumulator) is that model's own state: see `keras_tapeops.state`.
 """
 
+from __future__ import annotations
+
 import inspect
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Optional
@@ -13,16 +16,21 @@ from typing import Sequence
 import keras
 
 from keras_tapeops import validation
-from keras_tapeops.attacks.base import Attack
-from keras_tapeops.attacks.base import check_attack
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.multi_gradient import MULTI_GRADIENT_OPTIONS
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.multi_gradient import check_combinations
 from keras_tapeops.registration import serialize_all
-from keras_tapeops.sam import SAM
-from keras_tapeops.terms.base import Term
 from keras_tapeops.transforms.base import GradientTransform
+
+if TYPE_CHECKING:
+    from keras_tapeops.attacks.base import Attack
+    from keras_tapeops.sam import SAM
+    from keras_tapeops.terms.base import Term
+
+# The classes of the TensorFlow-only options (loss terms, SAM, attacks) are
+# imported when such an option is validated, so that this table loads on
+# every backend; on JAX `compile()` refuses them before validating.
 
 BATCH_NORM_UPDATES = ("large_batch", "per_micro_batch")
 
@@ -50,7 +58,12 @@ class Option:
     """
 
     def __init__(
-        self, name: str, default: Any, kind: str, validate: Callable[[Any], Any], doc: str,
+        self,
+        name: str,
+        default: Any,
+        kind: str,
+        validate: Callable[[Any], Any],
+        doc: str,
         annotation: Any = inspect.Parameter.empty,
     ) -> None:
         self.name = name
@@ -91,14 +104,22 @@ class Option:
 
 def _transforms(value):
     return validation.instances(
-        value, GradientTransform, "gradient_transforms",
+        value,
+        GradientTransform,
+        "gradient_transforms",
         "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
     )
 
 
 def _terms(value):
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return ()
+    from keras_tapeops.terms.base import Term
+
     terms = validation.instances(
-        value, Term, "loss_terms",
+        value,
+        Term,
+        "loss_terms",
         "loss term (e.g. kt.LossTerm(fn) or kt.ActivationPenalty(...))",
     )
     _check_term_names(terms)
@@ -106,7 +127,11 @@ def _terms(value):
 
 
 def _sam(value):
-    if value is not None and not isinstance(value, SAM):
+    if value is None:
+        return None
+    from keras_tapeops.sam import SAM
+
+    if not isinstance(value, SAM):
         raise TypeError(
             "`sharpness_aware` must be None or a kt.SAM (e.g. "
             f"kt.SAM(rho=0.05)). Received: sharpness_aware={value!r}"
@@ -115,7 +140,11 @@ def _sam(value):
 
 
 def _attack(value):
-    return None if value is None else check_attack(value, "adversarial_training")
+    if value is None:
+        return None
+    from keras_tapeops.attacks.base import check_attack
+
+    return check_attack(value, "adversarial_training")
 
 
 def _multi_gradient(name):
@@ -136,32 +165,74 @@ def _multi_gradient(name):
 # signature, validation, `get_config`, `set_option_names` and the combination
 # checks (`multi_gradient.check_combinations`).
 OPTIONS = (
-    Option("gradient_transforms", None, "list", _transforms,
-           "list of `kt.GradientTransform`, applied in order to the true "
-           "(unscaled, replica-aggregated) gradients.",
-           Optional[Sequence[GradientTransform]]),
-    Option("loss_terms", None, "list", _terms,
-           "list of loss terms added inside the training tape.",
-           Optional[Sequence[Term]]),
-    Option("micro_batches", 1, "int",
-           lambda v: validation.positive_int(v, "micro_batches"),
-           "split every batch into this many micro-batches.", int),
-    Option("accumulation_steps", 1, "int",
-           lambda v: validation.positive_int(v, "accumulation_steps"),
-           "batches per optimizer step.", int),
-    Option("batch_norm_updates", "large_batch", "choice",
-           lambda v: validation.choice(v, "batch_norm_updates", BATCH_NORM_UPDATES),
-           '`"large_batch"` or `"per_micro_batch"`: how BatchNormalization '
-           "moving statistics follow `micro_batches`.", str),
-    Option("sharpness_aware", None, "object", _sam,
-           "None or a `kt.SAM`: sharpness-aware minimization.", Optional[SAM]),
-    Option("adversarial_training", None, "object", _attack,
-           "None or a `kt.attacks` attack: train on the attacked inputs only "
-           "(Madry et al.; no clean pass).", Optional[Attack]),
+    Option(
+        "gradient_transforms",
+        None,
+        "list",
+        _transforms,
+        "list of `kt.GradientTransform`, applied in order to the true "
+        "(unscaled, replica-aggregated) gradients.",
+        Optional[Sequence[GradientTransform]],
+    ),
+    Option(
+        "loss_terms",
+        None,
+        "list",
+        _terms,
+        "list of loss terms added inside the training tape.",
+        Optional[Sequence["Term"]],
+    ),
+    Option(
+        "micro_batches",
+        1,
+        "int",
+        lambda v: validation.positive_int(v, "micro_batches"),
+        "split every batch into this many micro-batches.",
+        int,
+    ),
+    Option(
+        "accumulation_steps",
+        1,
+        "int",
+        lambda v: validation.positive_int(v, "accumulation_steps"),
+        "batches per optimizer step.",
+        int,
+    ),
+    Option(
+        "batch_norm_updates",
+        "large_batch",
+        "choice",
+        lambda v: validation.choice(v, "batch_norm_updates", BATCH_NORM_UPDATES),
+        '`"large_batch"` or `"per_micro_batch"`: how BatchNormalization '
+        "moving statistics follow `micro_batches`.",
+        str,
+    ),
+    Option(
+        "sharpness_aware",
+        None,
+        "object",
+        _sam,
+        "None or a `kt.SAM`: sharpness-aware minimization.",
+        Optional["SAM"],
+    ),
+    Option(
+        "adversarial_training",
+        None,
+        "object",
+        _attack,
+        "None or a `kt.attacks` attack: train on the attacked inputs only "
+        "(Madry et al.; no clean pass).",
+        Optional["Attack"],
+    ),
 ) + tuple(
-    Option(name, None, "object", _multi_gradient(name),
-           f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).",
-           Optional[MultiGradientOption])
+    Option(
+        name,
+        None,
+        "object",
+        _multi_gradient(name),
+        f"None or a {name} option (e.g. `{_MULTI_GRADIENT_EXAMPLES[name]}`).",
+        Optional[MultiGradientOption],
+    )
     for name in MULTI_GRADIENT_OPTIONS
 )
 
@@ -289,8 +360,7 @@ class TapeOpsOptions(ConfigRepr):
             callable that could not be loaded back.
         """
         return {
-            option.name: option.serialize(getattr(self, option.name), model)
-            for option in OPTIONS
+            option.name: option.serialize(getattr(self, option.name), model) for option in OPTIONS
         }
 
     @staticmethod
@@ -316,7 +386,9 @@ def compile_signature(compile_method: Callable[..., Any]) -> inspect.Signature:
     var_keyword = parameters.pop()
     options = [
         inspect.Parameter(
-            option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+            option.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=option.default,
             annotation=option.annotation,
         )
         for option in OPTIONS

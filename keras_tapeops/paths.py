@@ -167,10 +167,7 @@ class LayerTree:
         """Paths of `variable`: each innermost owner's path plus its own name."""
         owners = self.owner_paths(variable)
         name = variable.path.split("/")[-1]
-        return [
-            f"{p}/{name}" for p in owners
-            if not any(o.startswith(p + "/") for o in owners)
-        ]
+        return [f"{p}/{name}" for p in owners if not any(o.startswith(p + "/") for o in owners)]
 
 
 def _children(layer):

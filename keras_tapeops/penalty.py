@@ -22,8 +22,12 @@ _TINY = 1e-30
 
 
 def gradient_penalty(
-    critic: Callable[..., Any], real: Nested, fake: Nested, alpha: float | tf.Tensor | None = None,
-    target: float = 1.0, training: bool = True,
+    critic: Callable[..., Any],
+    real: Nested,
+    fake: Nested,
+    alpha: float | tf.Tensor | None = None,
+    target: float = 1.0,
+    training: bool = True,
 ) -> tf.Tensor:
     """WGAN-GP penalty `mean((||grad_x critic(x_hat)||_2 - target)^2)`.
 
@@ -63,15 +67,12 @@ def gradient_penalty(
     _validate(critic, real, fake, alpha, target, training)
     flat_real = [tf.convert_to_tensor(t) for t in tf.nest.flatten(real)]
     flat_fake = [
-        tf.cast(tf.convert_to_tensor(f), r.dtype)
-        for r, f in zip(flat_real, tf.nest.flatten(fake))
+        tf.cast(tf.convert_to_tensor(f), r.dtype) for r, f in zip(flat_real, tf.nest.flatten(fake))
     ]
     n = tf.shape(flat_real[0])[0]
     if alpha is None:
         alpha = tf.random.uniform([n], 0.0, 1.0)
-    interpolated = [
-        r + _shape_alpha(alpha, r) * (f - r) for r, f in zip(flat_real, flat_fake)
-    ]
+    interpolated = [r + _shape_alpha(alpha, r) * (f - r) for r, f in zip(flat_real, flat_fake)]
     with tf.GradientTape() as tape:
         tape.watch(interpolated)
         scores = critic(tf.nest.pack_sequence_as(real, interpolated), training=training)
@@ -134,15 +135,11 @@ def _shape_alpha(alpha, tensor):
 
 def _validate(critic, real, fake, alpha, target, training):
     if not callable(critic):
-        raise TypeError(
-            "`critic` must be a callable model or layer. "
-            f"Received: critic={critic!r}"
-        )
+        raise TypeError(f"`critic` must be a callable model or layer. Received: critic={critic!r}")
     flat_real = tf.nest.flatten(real)
     if not flat_real or any(t is None for t in flat_real):
         raise ValueError(
-            "`real` must be a tensor or a dict/tuple/list of tensors. "
-            f"Received: real={real!r}"
+            f"`real` must be a tensor or a dict/tuple/list of tensors. Received: real={real!r}"
         )
     try:
         tf.nest.assert_same_structure(real, fake)
@@ -155,14 +152,11 @@ def _validate(critic, real, fake, alpha, target, training):
         r_dtype = getattr(r, "dtype", None)
         if r_dtype is None or not tf.as_dtype(r_dtype).is_floating:
             raise TypeError(
-                "`real` must hold floating-point tensors. "
-                f"Received: real with dtype {r_dtype}"
+                f"`real` must hold floating-point tensors. Received: real with dtype {r_dtype}"
             )
         r_shape, f_shape = tf.TensorShape(r.shape), tf.TensorShape(f.shape)
         if r_shape.rank == 0:
-            raise ValueError(
-                "`real` needs a batch dimension. Received: real of shape ()"
-            )
+            raise ValueError("`real` needs a batch dimension. Received: real of shape ()")
         if not r_shape.is_compatible_with(f_shape):
             raise ValueError(
                 "`real` and `fake` must have the same shapes. "
@@ -170,21 +164,14 @@ def _validate(critic, real, fake, alpha, target, training):
             )
     if isinstance(alpha, numbers.Number) and not isinstance(alpha, bool):
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(
-                f"`alpha` must be in [0, 1]. Received: alpha={alpha}"
-            )
-    elif alpha is not None and (
-        isinstance(alpha, bool) or not hasattr(alpha, "dtype")
-    ):
+            raise ValueError(f"`alpha` must be in [0, 1]. Received: alpha={alpha}")
+    elif alpha is not None and (isinstance(alpha, bool) or not hasattr(alpha, "dtype")):
         raise TypeError(
-            "`alpha` must be None, a number in [0, 1] or a tensor. "
-            f"Received: alpha={alpha!r}"
+            f"`alpha` must be None, a number in [0, 1] or a tensor. Received: alpha={alpha!r}"
         )
     validate_target(target)
     if not isinstance(training, bool):
-        raise TypeError(
-            f"`training` must be a bool. Received: training={training!r}"
-        )
+        raise TypeError(f"`training` must be a bool. Received: training={training!r}")
 
 
 def validate_target(target: Any) -> float:

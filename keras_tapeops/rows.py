@@ -34,9 +34,7 @@ def jacobian_rows(tape, objectives, variables, method="pfor"):
     ```
     """
     if method not in ("pfor", "loop"):
-        raise ValueError(
-            f"`method` must be 'pfor' or 'loop'. Received: method={method!r}"
-        )
+        raise ValueError(f"`method` must be 'pfor' or 'loop'. Received: method={method!r}")
     parts = task_rows(tape, objectives, variables, method)
     k = tf.shape(objectives)[0]
     return tf.concat([tf.reshape(part, [k, -1]) for part in parts], axis=1)
@@ -57,7 +55,7 @@ def split_like(vector, variables):
     out, start = [], 0
     for v in variables:
         size = int(tf.size(v)) if v.shape.num_elements() is None else v.shape.num_elements()
-        out.append(tf.cast(tf.reshape(vector[start:start + size], v.shape), v.dtype))
+        out.append(tf.cast(tf.reshape(vector[start : start + size], v.shape), v.dtype))
         start += size
     return out
 
@@ -128,7 +126,9 @@ def task_rows(tape, objectives, variables, method="loop"):
     zero = tf.UnconnectedGradients.ZERO
     if not isinstance(objectives, (list, tuple)):
         jacobians = tape.jacobian(
-            objectives, variables, unconnected_gradients=zero,
+            objectives,
+            variables,
+            unconnected_gradients=zero,
             experimental_use_pfor=method == "pfor",
         )
         return [tf.cast(tf.convert_to_tensor(j), tf.float32) for j in jacobians]

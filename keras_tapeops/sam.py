@@ -149,10 +149,7 @@ def sharpness_aware_gradients(model, sam, selection, gradient_pass):
     true, _ = true_gradients.sum_over_replicas(grads)
     scale = true_gradients.loss_scale(model.optimizer) if model.optimizer else None
     if scale is not None:
-        true = [
-            true_gradients.map_values(g, lambda t: t / tf.cast(scale, t.dtype))
-            for g in true
-        ]
+        true = [true_gradients.map_values(g, lambda t: t / tf.cast(scale, t.dtype)) for g in true]
     perturbation = sam.perturbation(true, variables, selection())
     saved = [
         tf.identity(tf.convert_to_tensor(v)) if e is not None else None

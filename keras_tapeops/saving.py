@@ -10,7 +10,6 @@ from typing import Any
 
 import keras
 
-from keras_tapeops._keras import private
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.options import OPTION_NAMES
 from keras_tapeops.options import TapeOpsOptions
@@ -63,11 +62,16 @@ def load_own_variables(model, store, stock_load):
     """
     state = model.tapeops_state
     legacy = state.training_state_items() if state is not None else []
+    if not legacy:
+        stock_load(store)
+        return
+    from keras_tapeops._keras import private  # TensorFlow: legacy files only
+
     own = private.own_variables(model)
-    if legacy and len(store.keys()) == len(own) + len(legacy):
+    if len(store.keys()) == len(own) + len(legacy):
         values = [store[str(i)] for i in range(len(own) + len(legacy))]
         stock_load({str(i): v for i, v in enumerate(values[: len(own)])})
-        for (_, variable), value in zip(legacy, values[len(own):]):
+        for (_, variable), value in zip(legacy, values[len(own) :]):
             variable.assign(value)
         return
     stock_load(store)

@@ -46,7 +46,11 @@ from keras_tapeops.typing_aliases import Nested
 
 
 def hessian_vector_product(
-    model: keras.Model, x: Nested, y: Nested, vectors: Sequence[Any], sample_weight: Nested = None,
+    model: keras.Model,
+    x: Nested,
+    y: Nested,
+    vectors: Sequence[Any],
+    sample_weight: Nested = None,
     training: bool = False,
 ) -> list[tf.Tensor]:
     """Returns `H @ v`, `H` the Hessian of the model's loss on one batch.
@@ -90,7 +94,10 @@ def hessian_vector_product(
 
 
 def top_hessian_eigenvalue(
-    model: keras.Model, data: Data, iterations: int = 20, seed: int | None = None,
+    model: keras.Model,
+    data: Data,
+    iterations: int = 20,
+    seed: int | None = None,
     tolerance: float = 1e-4,
 ) -> float:
     """Returns the largest-magnitude eigenvalue of the loss Hessian, by power iteration.
@@ -143,10 +150,7 @@ def top_hessian_eigenvalue(
     variables = model.trainable_variables
     rng = np.random.default_rng(seed)
     v = _normalized(
-        [
-            tf.constant(rng.standard_normal(tuple(var.shape)), dtype=var.dtype)
-            for var in variables
-        ]
+        [tf.constant(rng.standard_normal(tuple(var.shape)), dtype=var.dtype) for var in variables]
     )
     fn = _hvp_function(model)
     estimate = None
@@ -215,21 +219,15 @@ def _hvp(model, x, y, sample_weight, vectors, training):
             y_pred = private.call_model(model, x, training)
             loss = private.compute_loss(model, x, y, y_pred, sample_weight, training)
             loss = tf.cast(loss, "float32")
-        grads = inner.gradient(
-            loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
+        grads = inner.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         dot = tf.add_n(
             [
                 tf.reduce_sum(tf.cast(tf.convert_to_tensor(g), "float32") * tf.cast(v, "float32"))
                 for g, v in zip(grads, vectors)
             ]
         )
-    products = outer.gradient(
-        dot, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-    )
-    products = [
-        tf.cast(tf.convert_to_tensor(p), var.dtype) for p, var in zip(products, variables)
-    ]
+    products = outer.gradient(dot, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    products = [tf.cast(tf.convert_to_tensor(p), var.dtype) for p, var in zip(products, variables)]
     with tf.control_dependencies(products):
         restores = [v.assign(s) for v, s in zip(state, saved)]
     with tf.control_dependencies(restores):
@@ -249,8 +247,7 @@ def _mean_hvp(fn, batches, v):
         count += n
     if total is None:
         raise ValueError(
-            "`data` gave no samples: top_hessian_eigenvalue needs at least one "
-            "non-empty batch."
+            "`data` gave no samples: top_hessian_eigenvalue needs at least one non-empty batch."
         )
     return [t / count for t in total]
 
@@ -313,8 +310,7 @@ def _check_vectors(model, vectors):
             tensor = tf.convert_to_tensor(vector)
         except (TypeError, ValueError) as e:
             raise TypeError(
-                f"`vectors[{i}]` is not a tensor: {e}. "
-                f"Received: vectors={_describe(vectors)}"
+                f"`vectors[{i}]` is not a tensor: {e}. Received: vectors={_describe(vectors)}"
             ) from None
         if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
             raise TypeError(
@@ -396,12 +392,6 @@ def _check_data(data):
 def _check_seed(seed):
     if seed is None:
         return None
-    if (
-        isinstance(seed, (bool, np.bool_))
-        or not isinstance(seed, numbers.Integral)
-        or seed < 0
-    ):
-        raise ValueError(
-            f"`seed` must be None or a non-negative integer. Received: seed={seed!r}"
-        )
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"`seed` must be None or a non-negative integer. Received: seed={seed!r}")
     return int(seed)

@@ -59,9 +59,7 @@ class LayerPath:
 
     def __init__(self, path):
         if not isinstance(path, str) or not path.strip("/"):
-            raise TypeError(
-                f"`LayerPath` needs a non-empty layer path. Received: path={path!r}"
-            )
+            raise TypeError(f"`LayerPath` needs a non-empty layer path. Received: path={path!r}")
         if paths.is_glob(path):
             raise ValueError(
                 f"`LayerPath` takes an exact path, not a glob. Received: path={path!r}"
@@ -105,15 +103,12 @@ def validate_selector(where):
         return where
     if isinstance(where, str):
         if not where.strip("/"):
-            raise ValueError(
-                f"`where` must be a non-empty path or glob. Received: where={where!r}"
-            )
+            raise ValueError(f"`where` must be a non-empty path or glob. Received: where={where!r}")
         return where
     if isinstance(where, (list, tuple)):
         if not where:
             raise ValueError(
-                "`where` must be a non-empty list of paths or globs. "
-                f"Received: where={where!r}"
+                f"`where` must be a non-empty list of paths or globs. Received: where={where!r}"
             )
         for i, item in enumerate(where):
             if not isinstance(item, str) or not item.strip("/"):
@@ -191,7 +186,8 @@ def select(where, model, variables, tree=None):
     # Frozen: created trainable, not trainable now (a layer with
     # trainable=False, or a variable whose own flag was turned off).
     frozen = [
-        v for v in private.trainable_capable_variables(model)
+        v
+        for v in private.trainable_capable_variables(model)
         if id(v) not in trainable_ids and matches(v)
     ]
     if frozen:
@@ -224,15 +220,14 @@ def _matcher(where, model, tree):
 def _string_matcher(text, tree):
     text = text.strip("/") if not paths.is_glob(text) else text
     if paths.is_glob(text):
+
         def matches(v):
             owners = tree.owner_paths(v)
             candidates = (
-                owners
-                + [p.rsplit("/", 1)[-1] for p in owners]
-                + tree.variable_paths(v)
-                + [v.path]
+                owners + [p.rsplit("/", 1)[-1] for p in owners] + tree.variable_paths(v) + [v.path]
             )
             return any(fnmatch.fnmatchcase(c, text) for c in candidates)
+
         return matches
     layers = tree.find_all(text)
     if len(layers) > 1:
@@ -252,7 +247,8 @@ def _check_one_variable(text, tree):
     and in `"tower_b"`); like a shared bare layer name, that is an error.
     """
     found = {
-        id(v): tree.variable_paths(v) for v in tree.model.weights
+        id(v): tree.variable_paths(v)
+        for v in tree.model.weights
         if text == v.path or text in tree.variable_paths(v)
     }
     if len(found) > 1:

@@ -70,8 +70,7 @@ class ModelState:
     def create_trackers(self):
         """One `Mean` per term (call inside the model's strategy scope)."""
         self.term_trackers = {
-            term.name: keras.metrics.Mean(name=term.name)
-            for term in self.options.loss_terms
+            term.name: keras.metrics.Mean(name=term.name) for term in self.options.loss_terms
         }
 
     def active_terms(self, training):
@@ -99,10 +98,7 @@ class ModelState:
         tree = tree or paths.LayerTree(model)
         options = self.options
         with model.distribute_strategy.scope():  # transform variables, metrics
-            transforms = [
-                (t, t.bind(model, variables, tree))
-                for t in options.gradient_transforms
-            ]
+            transforms = [(t, t.bind(model, variables, tree)) for t in options.gradient_transforms]
         _check_metric_names(transforms, options.loss_terms, self.engine)
         sam = options.sharpness_aware
         sam_selected = sam.bind(model, variables, tree) if sam is not None else None
@@ -195,9 +191,7 @@ class ModelState:
     @property
     def training_only_metrics(self):
         """Metrics that exist only where an optimizer step runs (not in evaluate)."""
-        transform_metrics = [
-            m for _, s in self.transforms or [] for m in s.metrics.values()
-        ]
+        transform_metrics = [m for _, s in self.transforms or [] for m in s.metrics.values()]
         engine = list(self.engine.metrics.values()) if self.engine is not None else []
         return transform_metrics + engine
 
@@ -205,8 +199,7 @@ class ModelState:
     def gates(self):
         """True if a bound transform may skip a step (`keep_step`)."""
         return any(
-            type(t).keep_step is not GradientTransform.keep_step
-            for t, _ in self.transforms or []
+            type(t).keep_step is not GradientTransform.keep_step for t, _ in self.transforms or []
         )
 
     @property

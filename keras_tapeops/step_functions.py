@@ -41,9 +41,7 @@ class StepFunctionMethods(ModelMixinBase):
         # Keras's build before the first step fails under
         # MultiWorkerMirroredStrategy (keras-team/keras#20585): see
         # `_keras.private.maybe_symbolic_build`.
-        private.maybe_symbolic_build(
-            self, iterator, data_batch, super()._maybe_symbolic_build
-        )
+        private.maybe_symbolic_build(self, iterator, data_batch, super()._maybe_symbolic_build)
 
     def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         return self._make_step_function("train", super().make_train_function, force)

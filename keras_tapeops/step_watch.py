@@ -140,7 +140,7 @@ def keep_own_steps(cls, mixin):
     ```
     """
     mro = cls.__mro__
-    after_mixin = mro[mro.index(mixin) + 1:]
+    after_mixin = mro[mro.index(mixin) + 1 :]
     before_mixin = mro[: mro.index(mixin)]
     kept = []
     for name in STEP_NAMES:

@@ -20,7 +20,12 @@ from keras_tapeops._keras import private
 
 
 def apply_transformed(
-    optimizer, grads, variables, transform, aggregate=None, keep_step=None,
+    optimizer,
+    grads,
+    variables,
+    transform,
+    aggregate=None,
+    keep_step=None,
     after_apply=None,
 ):
     """Applies `transform(true_grads, variables)` with `optimizer`.
@@ -119,9 +124,7 @@ def poison_unless(keep, grad):
     if grad is None:
         return None
     nan = tf.constant(float("nan"))
-    return map_values(
-        grad, lambda v: tf.where(keep, v, tf.cast(nan, v.dtype))
-    )
+    return map_values(grad, lambda v: tf.where(keep, v, tf.cast(nan, v.dtype)))
 
 
 def sum_over_replicas(grads):

@@ -30,14 +30,19 @@ given and it is returned uncompiled, as stock Keras does.
 import importlib
 import inspect
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 
 import keras
 
 from keras_tapeops._keras import models as keras_models
-from keras_tapeops.mixin import TapeOpsMixin
 from keras_tapeops.registration import PACKAGE
 from keras_tapeops.registration import register
+
+if TYPE_CHECKING or keras.backend.backend() == "tensorflow":
+    from keras_tapeops.mixin import TapeOpsMixin
+else:  # the JAX step (keras_tapeops.backend.jax); no TensorFlow import
+    from keras_tapeops.backend.jax.mixin import TapeOpsMixin
 
 #: The `get_config()` key under which an upgraded model records its original class.
 BASE_CLASS_KEY = "keras_tapeops_upgraded_from"
@@ -123,7 +128,9 @@ def upgrade(model: keras.Model) -> keras.Model:
         return _upgrade_sequential(model)
     if cls is _functional_class():
         return TapeOpsFunctional(
-            inputs=model.input, outputs=model.output, name=model.name,
+            inputs=model.input,
+            outputs=model.output,
+            name=model.name,
             trainable=model.trainable,
         )
     if isinstance(model, (keras.Sequential, _functional_class())):
@@ -135,18 +142,20 @@ def _subclassed_model_message(cls):
     """What `upgrade()` says about a subclassed model it cannot rebuild."""
     bases = ", ".join(_base_name(base) for base in cls.__bases__)
     defines_call = any(
-        "call" in vars(klass) for klass in cls.__mro__
-        if klass.__module__.split(".")[0] != "keras"
+        "call" in vars(klass) for klass in cls.__mro__ if klass.__module__.split(".")[0] != "keras"
     )
     if defines_call:
         what = "a subclassed model (one with its own `call()`)"
         fix = f"`class {cls.__name__}(kt.TapeOpsMixin, {bases}): ...`"
     else:
         # e.g. the keras.io GAN: no call(), its own train_step.
-        what = ("a subclassed model that is not built from inputs and outputs "
-                "(it defines no `call()`)")
-        fix = (f"`class TapeOps{cls.__name__}(kt.TapeOpsMixin, {cls.__name__}): pass` "
-               "(a train_step or test_step the class defines is kept)")
+        what = (
+            "a subclassed model that is not built from inputs and outputs (it defines no `call()`)"
+        )
+        fix = (
+            f"`class TapeOps{cls.__name__}(kt.TapeOpsMixin, {cls.__name__}): pass` "
+            "(a train_step or test_step the class defines is kept)"
+        )
     return (
         f"upgrade() cannot rebuild {what}: subclass it with the mixin first "
         f"instead: {fix}. Models built the functional way "

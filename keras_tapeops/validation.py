@@ -40,9 +40,7 @@ def positive_int(value, name):
             f"of type {type(value).__name__}"
         )
     if value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer (>= 1). Received: {name}={value!r}"
-        )
+        raise ValueError(f"`{name}` must be a positive integer (>= 1). Received: {name}={value!r}")
     return int(value)
 
 
@@ -70,13 +68,10 @@ def finite_number(value, name, minimum=None, strict=False):
     kind = _kind(minimum, strict)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"`{name}` must be a {kind}. Received: {name}={value!r} "
-            f"of type {type(value).__name__}"
+            f"`{name}` must be a {kind}. Received: {name}={value!r} of type {type(value).__name__}"
         )
     converted = float(value)
-    too_small = minimum is not None and (
-        converted <= minimum if strict else converted < minimum
-    )
+    too_small = minimum is not None and (converted <= minimum if strict else converted < minimum)
     if not abs(converted) <= FLOAT32_MAX or too_small:
         # `not <=` is also true for nan. Show the value as passed (`0`, not `0.0`).
         raise ValueError(f"`{name}` must be a {kind}. Received: {name}={value!r}")
@@ -103,9 +98,7 @@ def boolean(value, name):
 def choice(value, name, choices):
     """Returns `value` if it is one of the strings `choices`, else raises ValueError."""
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(
-            f"`{name}` must be one of {list(choices)}. Received: {name}={value!r}"
-        )
+        raise ValueError(f"`{name}` must be one of {list(choices)}. Received: {name}={value!r}")
     return value
 
 
@@ -131,9 +124,7 @@ def instances(values, kind, name, example):
     if isinstance(values, kind):
         values = [values]
     if not isinstance(values, (list, tuple)):
-        raise TypeError(
-            f"`{name}` must be a list of {example}. Received: {name}={values!r}"
-        )
+        raise TypeError(f"`{name}` must be a list of {example}. Received: {name}={values!r}")
     for i, value in enumerate(values):
         if not isinstance(value, kind):
             raise TypeError(
@@ -155,7 +146,5 @@ def _kind(minimum, strict):
 def name(value, argument):
     """Returns `value` if it is a non-empty string (a logged name), else raises."""
     if not isinstance(value, str) or not value:
-        raise ValueError(
-            f"`{argument}` must be a non-empty string. Received: {argument}={value!r}"
-        )
+        raise ValueError(f"`{argument}` must be a non-empty string. Received: {argument}={value!r}")
     return value

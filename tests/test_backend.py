@@ -1,4 +1,7 @@
-"""Importing or compiling on a non-TensorFlow Keras backend fails with one clear sentence."""
+"""Importing on a Keras backend other than TensorFlow or JAX fails with one clear sentence.
+
+The JAX backend itself is tested in its own processes: tests/test_jax_backend.py.
+"""
 
 import importlib
 
@@ -7,14 +10,16 @@ import pytest
 
 from keras_tapeops import backend_check
 
+pytestmark = pytest.mark.unit
+
 
 def test_other_backend_is_refused_with_one_sentence(monkeypatch):
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
     with pytest.raises(ImportError) as info:
-        backend_check.require_tensorflow_backend()
+        backend_check.require_supported_backend()
     message = str(info.value)
-    assert "keras_tapeops needs the TensorFlow backend" in message
-    assert "current backend is 'jax'" in message
+    assert "keras_tapeops needs the TensorFlow or the JAX backend" in message
+    assert "current backend is 'torch'" in message
     assert message.count(". ") == 0  # one sentence
 
 
@@ -26,5 +31,7 @@ def test_package_import_runs_the_check(monkeypatch):
         importlib.reload(keras_tapeops)
 
 
-def test_tensorflow_backend_is_accepted():
-    assert backend_check.require_tensorflow_backend() is None
+@pytest.mark.parametrize("name", ["tensorflow", "jax"])
+def test_tensorflow_and_jax_are_accepted(monkeypatch, name):
+    monkeypatch.setattr(keras.backend, "backend", lambda: name)
+    assert backend_check.require_supported_backend() == name

@@ -1,6 +1,6 @@
 """The package as users get it: the sdist and the wheel build, pass `twine check`,
 carry LICENSE and py.typed, and the installed wheel runs the quickstart with only
-its declared dependencies; the package passes `make lint`'s ruff check.
+its declared dependencies; the package passes `make lint`'s ruff check and format check.
 
 The slow test installs the wheel into a fresh venv (no system site-packages, no
 keras_tapeops on its path) without downloading anything: the declared
@@ -61,6 +61,18 @@ def test_ruff_check_passes_on_the_package():
 
 
 @pytest.mark.unit
+def test_ruff_format_check_passes_on_the_package():
+    """`make lint` enforces the formatter too (issue 30: lint and format)."""
+    if not _has("ruff"):
+        pytest.skip("ruff is not installed (it comes with the `test` extra)")
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "keras_tapeops"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
+
+
+@pytest.mark.unit
 def test_metadata_declares_license_typing_and_urls():
     project = PYPROJECT["project"]
     assert project["license"] == "Apache-2.0"
@@ -88,63 +100,7 @@ def test_metadata_declares_license_typing_and_urls():
     assert re.search(r"^test: .*\blint\b", makefile, re.M)
 
 
-# The annotated public entry points stay annotated (py.typed promises it); add
-# to this list as signatures get annotated (CONTRIBUTING.md, "Lint and type check").
-ANNOTATED = [
-    "upgrade", "upgraded_class:keras_tapeops.upgrade",
-    "GradientTransform.__init__", "GradientTransform.bind", "GradientTransform.transform",
-    "GradientTransform.keep_step", "GradientTransform.after_apply", "GradientTransform.__call__",
-    "GradientTransform.get_config", "GradientTransform.from_config",
-    "TransformState.__init__:keras_tapeops.transforms.base",
-    "TransformState.add_variable:keras_tapeops.transforms.base",
-    "TransformState.add_metric:keras_tapeops.transforms.base",
-    "Term.__init__", "Term.bind", "Term.layers_to_capture", "Term.call", "Term.weight_at",
-    "Term.get_config", "Term.from_config", "TermContext.__init__",
-    "ClipByValue.__init__", "ClipByNorm.__init__", "ClipByGlobalNorm.__init__",
-    "ClipByNorm.transform", "SAM.__init__", "gradient_penalty", "optimizer_groups",
-    "layerwise_lr_decay", "hessian_vector_product", "top_hessian_eigenvalue",
-    "input_derivatives", "TapeOpsOptions.__init__:keras_tapeops.options",
-    "TapeOpsOptions.get_config:keras_tapeops.options",
-    "compile_signature:keras_tapeops.options",
-    "SkipNonFinite.__init__", "LogGradientNorm.__init__", "AdaptiveClip.__init__",
-    "CentralizeGradients.transform", "LogUpdateRatio.__init__", "LogUpdateRatio.after_apply",
-    "ActivationPenalty.__init__", "ActivationPenalty.call", "GradientPenalty.__init__",
-    "attribution.saliency", "attribution.smoothgrad", "attribution.integrated_gradients",
-    "attribution.grad_cam", "attacks.FGSM.__init__", "attacks.PGD.__init__",
-    "attacks.PGD.__call__", "privacy.epsilon", "privacy.poisson_batches", "DPSGD.__init__",
-    "AlignedMTL.__init__", "CAGrad.__init__", "MGDA.__init__", "PCGrad.__init__",
-    "UPGrad.__init__", "MeasureConflict.__init__", "DWA.__init__", "FAMO.__init__",
-    "GradNorm.__init__", "UncertaintyWeighting.__init__", "ImportanceSampling.__init__",
-    "ReducibleLoss.__init__", "SelectiveBackprop.__init__", "SelfPaced.__init__",
-    "SuperLoss.__init__", "TopLoss.__init__", "callbacks.GradualUnfreezing.__init__",
-    "callbacks.GroupLearningRateScheduler.__init__", "callbacks.GroupReduceLROnPlateau.__init__",
-    "callbacks.PrivacyBudget.__init__", "callbacks.RobustAccuracy.__init__",
-    "callbacks.Sharpness.__init__", "ConditionLoss.__init__", "PDEResidual.__init__",
-    "physics.BoxSampler.__init__", "physics.FixedPoints.__init__", "physics.lbfgs",
-]
-
-
-@pytest.mark.unit
-def test_annotated_entry_points_stay_annotated():
-    import importlib
-    import inspect
-
-    import keras_tapeops as kt
-
-    missing = []
-    for entry in ANNOTATED:
-        dotted, _, module = entry.partition(":")
-        obj = importlib.import_module(module) if module else kt
-        for part in dotted.split("."):
-            obj = getattr(obj, part)
-        signature = inspect.signature(obj)
-        params = list(signature.parameters.values())
-        if params and params[0].name in ("self", "cls") and "." in dotted:
-            params = params[1:]
-        missing += [f"{dotted}({p.name})" for p in params if p.annotation is p.empty]
-        if signature.return_annotation is signature.empty and not dotted.endswith("__init__"):
-            missing.append(f"{dotted} -> ?")
-    assert not missing, missing
+# Every public signature's annotations: tests/test_public_annotations.py.
 
 
 # ------------------------------------------------------------------ slow tier

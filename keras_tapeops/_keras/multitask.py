@@ -52,6 +52,7 @@ def recording_flat_losses(loss):
     if loss.built:
         wrap()
     else:
+
         def build(*args, **kwargs):
             type(loss).build(loss, *args, **kwargs)
             wrap()

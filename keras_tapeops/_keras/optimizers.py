@@ -40,8 +40,7 @@ def was_built_with(optimizer, variable):
     `_trainable_variables_indices` (see `built_variable_keys`).
     """
     return bool(
-        optimizer.built
-        and optimizer._var_key(variable) in optimizer._trainable_variables_indices
+        optimizer.built and optimizer._var_key(variable) in optimizer._trainable_variables_indices
     )
 
 

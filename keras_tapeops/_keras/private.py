@@ -223,9 +223,11 @@ def maybe_symbolic_build(model, iterator, data_batch, stock):
         data_batch = next(item[-1])
         break
     data_batch = tf.nest.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0]
-        if isinstance(v, tf.distribute.DistributedValues)
-        else v,
+        lambda v: (
+            strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues)
+            else v
+        ),
         data_batch,
     )
     with strategy.scope():

@@ -11,7 +11,6 @@ issue 20's report); until then the wrapper is set on the model instance.
 """
 
 
-
 def strip_ids_before_symbolic_build(model, split_ids):
     """Wraps `model._symbolic_build` so the build batch's `x` has no ids.
 

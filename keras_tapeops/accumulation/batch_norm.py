@@ -42,11 +42,7 @@ def moving_statistics(model):
     Read before a pass whose statistics updates may have to be undone (a
     skipped step, SAM's second pass); `variable.assign(value)` restores one.
     """
-    return [
-        (v, _read(v))
-        for layer in batch_norm_layers(model)
-        for v in _moving(layer)
-    ]
+    return [(v, _read(v)) for layer in batch_norm_layers(model) for v in _moving(layer)]
 
 
 def check_batch_norm_layers(model, mode):
@@ -139,9 +135,7 @@ class LargeBatchStatistics:
             variance = tf.maximum(sums[i + 1] / n - tf.square(mean), 0.0)
             momentum = layer.momentum
             layer.moving_mean.assign(old[i] * momentum + mean * (1.0 - momentum))
-            layer.moving_variance.assign(
-                old[i + 1] * momentum + variance * (1.0 - momentum)
-            )
+            layer.moving_variance.assign(old[i + 1] * momentum + variance * (1.0 - momentum))
             i += 2
 
 

@@ -80,9 +80,7 @@ def window_gradients(
     """
     options = model.tapeops_options
     if options.micro_batches > 1:
-        grads, y_pred, summary = micro_batch_pass(
-            model, x, y, sample_weight, options.micro_batches
-        )
+        grads, y_pred, summary = micro_batch_pass(model, x, y, sample_weight, options.micro_batches)
         if summary is None:
             return grads, y_pred
         records, regularized = summary.records, summary.regularized
@@ -108,14 +106,12 @@ def window_gradients(
 
         def normalizer(record):
             return record.denominator
-    kind, key = reductions.window_group(
-        records, model, regularized, options.accumulation_steps
-    )
+
+    kind, key = reductions.window_group(records, model, regularized, options.accumulation_steps)
     chosen = [r for r in records if r.key == key]
     weight = normalizer(chosen[0]) if chosen else tf.cast(batch_size(x), tf.float32)
     _PENDING.setdefault(model, {})[threading.get_ident()] = (kind, weight)
     return grads, y_pred
-
 
 
 class CrossBatchAccumulator:
@@ -150,7 +146,8 @@ class CrossBatchAccumulator:
         self.unit = False  # "sum" reduction: the window's gradients are summed
         # Float, not int: integer variables are awkward on accelerators.
         self.batches = _local_variable(
-            tf.constant(0.0), "accumulated_batches",
+            tf.constant(0.0),
+            "accumulated_batches",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self.present = [True] * len(self.variables)
@@ -247,12 +244,9 @@ class CrossBatchAccumulator:
             # mean, since each replica's gradient carries Keras's
             # 1/replicas loss scale. A zero normalizer (every sample weight
             # zero) is a zero loss, as Keras's divide_no_nan makes it.
-            factor = tf.math.divide_no_nan(
-                tf.cast(replicas, tf.float32), total_normalizer
-            )
+            factor = tf.math.divide_no_nan(tf.cast(replicas, tf.float32), total_normalizer)
         grads = [
-            tf.cast(total.read_value() * tf.cast(factor, total.dtype), v.dtype)
-            if on else None
+            tf.cast(total.read_value() * tf.cast(factor, total.dtype), v.dtype) if on else None
             for total, v, on in zip(self.sums, self.variables, present)
         ]
         model.apply_optimizer_step(grads, self.variables)
@@ -300,9 +294,7 @@ class CrossBatchAccumulator:
                 normalizer = self.normalizer.read_value()
                 strategy.run(self._apply, args=(model, total, self.present, normalizer))
 
-            self._flush_function = (
-                flush_step if model.run_eagerly else tf.function(flush_step)
-            )
+            self._flush_function = flush_step if model.run_eagerly else tf.function(flush_step)
         self._flush_function()
         return True
 
@@ -344,6 +336,7 @@ def _unread_loss_kind(model):
     if all(r in reductions.MEAN_REDUCTIONS for r in named.values()):
         return "samples"
     raise reductions.refuse_mixed_window(
-        model.tapeops_options.accumulation_steps, named,
+        model.tapeops_options.accumulation_steps,
+        named,
         "batches weighted by their sample counts",
     )

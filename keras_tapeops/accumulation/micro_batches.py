@@ -110,15 +110,14 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
     with momentum:
         traced = tf.function(one_pass).get_concrete_function(
-            _spec(groups[0][2](0), batch=True), tf.TensorSpec([], tf.int32),
+            _spec(groups[0][2](0), batch=True),
+            tf.TensorSpec([], tf.int32),
             _spec(bn_state, batch=False),
         )
     grads_spec, pred_spec, _, masked_spec, _, logged_spec = traced.structured_outputs
     variables = model.trainable_variables
     # One gradient sum for the folded loss, one per masked output.
-    present = [
-        [g is not None for g in spec] for spec in [grads_spec] + list(masked_spec)
-    ]
+    present = [[g is not None for g in spec] for spec in [grads_spec] + list(masked_spec)]
     sums = [
         [tf.zeros(v.shape, _dtype(g)) for v, g, on in zip(variables, spec, on_list) if on]
         for spec, on_list in zip([grads_spec] + list(masked_spec), present)
@@ -130,17 +129,13 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     outputs = []
     for count, size_of, take in groups:
         arrays = [
-            tf.TensorArray(
-                t.dtype, size=count, element_shape=t.shape, infer_shape=False
-            )
+            tf.TensorArray(t.dtype, size=count, element_shape=t.shape, infer_shape=False)
             for t in flat_pred_spec
         ]
         start = _after(tf.constant(0), tf.nest.flatten(sums) + tf.nest.flatten(bn_state))
 
         def body(i, sums, sizes, logged, arrays, bn_state, size_of=size_of, take=take):
-            g, pred, bn_state, masked, masked_sizes, shares = traced(
-                take(i), size_of(i), bn_state
-            )
+            g, pred, bn_state, masked, masked_sizes, shares = traced(take(i), size_of(i), bn_state)
             parts = [g] + list(masked)
             sums = [
                 [
@@ -155,7 +150,9 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             return i + 1, sums, sizes, logged, arrays, bn_state
 
         _, sums, sizes, logged, arrays, bn_state = tf.while_loop(
-            lambda i, *_: i < count, body, (start, sums, sizes, logged, arrays, bn_state),
+            lambda i, *_: i < count,
+            body,
+            (start, sums, sizes, logged, arrays, bn_state),
             parallel_iterations=1,
         )
         outputs.append([a.concat() for a in arrays])
@@ -203,7 +200,9 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
     """
     with tf.GradientTape(persistent=True) as tape:
         with reductions.intercepted(
-            model, lambda r: reductions.folded_value(r, n, totals), option,
+            model,
+            lambda r: reductions.folded_value(r, n, totals),
+            option,
             mute_output_trackers=True,
             on_other=lambda r: reductions.folded_other(r, n, totals),
         ) as records:
@@ -244,13 +243,12 @@ def _build_symbolically(model, x):
     The traced pass must not create variables; calling the model on
     `keras.KerasTensor`s builds it the way Keras's own symbolic build does.
     """
-    model(tf.nest.map_structure(
-        lambda t: keras.KerasTensor(t.shape, t.dtype.name), x
-    ))
+    model(tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
 
 
 def _spec(structure, batch):
     """TensorSpecs of `structure` (None leaves kept); `batch`: first axis unknown."""
+
     def spec(t):
         if t is None:
             return None

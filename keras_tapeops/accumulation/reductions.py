@@ -164,7 +164,7 @@ def window_group(records, model, regularized, steps):
     terms = bool(model.tapeops_options.loss_terms) or _overrides_terms(model)
     kinds = {record.kind for record in keys.values()}
     if len(keys) == 1:
-        (key, record), = keys.items()
+        ((key, record),) = keys.items()
         if record.kind == "samples":
             return record.kind, key
         if not terms and (record.kind != "unit" or not regularized):
@@ -206,9 +206,15 @@ class ReducedLoss:
         kind = kind_of(reduction, sample_weight is not None, mask is not None)
         size = tf.cast(batch_size(y_pred), tf.float32)
         record = Record(
-            self.index, self.name, reduction, kind,
-            _key(kind, self.index, sample_weight), value, self.loss_weight,
-            size, denominator(kind, reduction, size, sample_weight, mask),
+            self.index,
+            self.name,
+            reduction,
+            kind,
+            _key(kind, self.index, sample_weight),
+            value,
+            self.loss_weight,
+            size,
+            denominator(kind, reduction, size, sample_weight, mask),
         )
         return self.on_value(record)
 
@@ -271,9 +277,11 @@ def intercepted(model, on_value, option, mute_output_trackers=False, on_other=No
         return on_other(record)
 
     wrapped = [
-        entry._replace(loss=ReducedLoss(
-            i, entry.name, _unwrapped(entry.loss), entry.loss_weights, recorded, option
-        ))
+        entry._replace(
+            loss=ReducedLoss(
+                i, entry.name, _unwrapped(entry.loss), entry.loss_weights, recorded, option
+            )
+        )
         for i, entry in enumerate(original)
     ]
     keras_loss.set_flat_losses(compile_loss, wrapped)
@@ -402,9 +410,7 @@ def folded_value(record, n, totals):
     if record.kind == "unit":
         factor = n / record.size
     else:  # weights: (D_micro / D_batch) / (n_micro / n)
-        factor = tf.math.divide_no_nan(
-            n * record.denominator, record.size * totals[record.index]
-        )
+        factor = tf.math.divide_no_nan(n * record.denominator, record.size * totals[record.index])
     return value * tf.cast(factor, value.dtype)
 
 
@@ -465,7 +471,6 @@ def _key(kind, index, sample_weight):
     if kind == "weights" and not tf.nest.is_nested(sample_weight):
         return (kind,)  # one weight vector for every output: one normalizer
     return (kind, index)
-
 
 
 def _unwrapped(loss):

@@ -128,9 +128,7 @@ def _reshape(t, count, size, rest, static_rest, pad_empty):
     out = tf.reshape(t, tf.concat([tf.stack([count, size]), rest], axis=0))
     if pad_empty:
         empty = tf.cast(tf.equal(count, 0), count.dtype)
-        paddings = tf.concat(
-            [[[0, empty]], tf.zeros([tf.rank(t), 2], count.dtype)], axis=0
-        )
+        paddings = tf.concat([[[0, empty]], tf.zeros([tf.rank(t), 2], count.dtype)], axis=0)
         out = tf.pad(out, paddings)
     out.set_shape([None, None] + static_rest.as_list())
     return out

@@ -74,7 +74,10 @@ class AlignedMTL(Aggregator):
     """
 
     def __init__(
-        self, scale_mode: str = "min", shared: Selector = None, tasks: Sequence[str] | None = None,
+        self,
+        scale_mode: str = "min",
+        shared: Selector = None,
+        tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.scale_mode = validation.choice(scale_mode, "scale_mode", SCALE_MODES)

@@ -66,9 +66,14 @@ class Aggregator(TaskBalancing):
     kind = "rows"
 
     def bind(self, model: keras.Model, tree: LayerTree) -> TaskEngine:
-        require_override(self, "Aggregator", "weights(gramian, context)",
-                         TaskBalancing.weights, "returns the [K] weights of the task gradients",
-                         "task_balancing")
+        require_override(
+            self,
+            "Aggregator",
+            "weights(gramian, context)",
+            TaskBalancing.weights,
+            "returns the [K] weights of the task gradients",
+            "task_balancing",
+        )
         return super().bind(model, tree)
 
     def aggregate(self, rows: tf.Tensor, context: StepContext | None = None) -> tf.Tensor:
@@ -84,7 +89,5 @@ class Aggregator(TaskBalancing):
         rows = tf.convert_to_tensor(rows, tf.float32)
         if context is None:
             seed = getattr(self, "seed", None)
-            context = StepContext(
-                int(rows.shape[0]), step=tf.constant(0, tf.int64), seed=seed or 0
-            )
+            context = StepContext(int(rows.shape[0]), step=tf.constant(0, tf.int64), seed=seed or 0)
         return row_ops.combine(self.weights(row_ops.gramian(rows), context), rows)

@@ -63,9 +63,7 @@ def cagrad_weights(gramian, c, rescale=1):
     r = tf.sqrt(beta**2 - a * gamma + a * sqrt_phi**2)  # nan where no solution
     mu = (beta + r) / a
     faces = (mu * v - u) / r
-    candidates = tf.concat(
-        [faces, tf.eye(k), qp.min_norm_weights(g)[tf.newaxis]], axis=0
-    )
+    candidates = tf.concat([faces, tf.eye(k), qp.min_norm_weights(g)[tf.newaxis]], axis=0)
     candidates = gram.onto_simplex_cheaply(candidates)
     objective = tf.linalg.matvec(candidates, pulled) + sqrt_phi * tf.sqrt(
         tf.maximum(gram.quadratic(candidates, g), 0.0)
@@ -99,7 +97,10 @@ class CAGrad(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, c: float = 0.4, rescale: int = 1, shared: Selector = None,
+        self,
+        c: float = 0.4,
+        rescale: int = 1,
+        shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

@@ -91,14 +91,21 @@ class MGDA(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, shared: Selector = None, tasks: Sequence[str] | None = None, on: str = "parameters",
-        representation: str | None = None, normalization: str = "none",
+        self,
+        shared: Selector = None,
+        tasks: Sequence[str] | None = None,
+        on: str = "parameters",
+        representation: str | None = None,
+        normalization: str = "none",
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.on = validation.choice(on, "on", ("parameters", "representation"))
         if representation is not None:
-            if not isinstance(representation, str) or not representation.strip("/") \
-                    or paths.is_glob(representation):
+            if (
+                not isinstance(representation, str)
+                or not representation.strip("/")
+                or paths.is_glob(representation)
+            ):
                 raise ValueError(
                     "`representation` must be a layer path (no wildcards). "
                     f"Received: representation={representation!r}"
@@ -150,6 +157,8 @@ class MGDA(Aggregator):
 
     def get_config(self) -> dict[str, Any]:
         return {
-            **super().get_config(), "on": self.on,
-            "representation": self.representation, "normalization": self.normalization,
+            **super().get_config(),
+            "on": self.on,
+            "representation": self.representation,
+            "normalization": self.normalization,
         }

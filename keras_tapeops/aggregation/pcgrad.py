@@ -93,7 +93,10 @@ class PCGrad(Aggregator):
     """
 
     def __init__(
-        self, shared: Selector = None, tasks: Sequence[str] | None = None, seed: int | None = None,
+        self,
+        shared: Selector = None,
+        tasks: Sequence[str] | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         if seed is not None:

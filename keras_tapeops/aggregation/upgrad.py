@@ -62,7 +62,10 @@ class UPGrad(Aggregator):
     max_tasks = qp.MAX_TASKS
 
     def __init__(
-        self, norm_eps: float = 1e-4, reg_eps: float = 1e-4, shared: Selector = None,
+        self,
+        norm_eps: float = 1e-4,
+        reg_eps: float = 1e-4,
+        shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

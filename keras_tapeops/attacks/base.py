@@ -76,10 +76,15 @@ class Attack(ConfigRepr):
     """
 
     def __init__(
-        self, epsilon: float, step_size: float, steps: int, norm: str = "inf",
+        self,
+        epsilon: float,
+        step_size: float,
+        steps: int,
+        norm: str = "inf",
         random_start: bool = True,
         clip: tuple[float, float] | None = None,
-        inputs: str | int | Sequence[str | int] | None = None, loss: LossLike | None = None,
+        inputs: str | int | Sequence[str | int] | None = None,
+        loss: LossLike | None = None,
         seed: int | None = None,
     ) -> None:
         self.epsilon = validation.positive_number(epsilon, "epsilon")
@@ -116,8 +121,12 @@ class Attack(ConfigRepr):
         return self.perturb(model, x, objective, step=0)
 
     def perturb(
-        self, model: keras.Model, x: Nested, objective: Callable[[Nested], tf.Tensor],
-        step: int | tf.Tensor, gather_batch_sizes: bool = True,
+        self,
+        model: keras.Model,
+        x: Nested,
+        objective: Callable[[Nested], tf.Tensor],
+        step: int | tf.Tensor,
+        gather_batch_sizes: bool = True,
     ) -> Nested:
         """Runs the attack on `x` for an arbitrary objective to maximize.
 
@@ -150,9 +159,7 @@ class Attack(ConfigRepr):
             merged = list(flat)
             for i, point in zip(chosen, points):
                 merged[i] = point
-            return private.call_model(
-                model, tf.nest.pack_sequence_as(x, merged), training=False
-            )
+            return private.call_model(model, tf.nest.pack_sequence_as(x, merged), training=False)
 
         def body(i, points):
             return i + 1, self._step(forward, objective, clean, points)
@@ -161,7 +168,9 @@ class Attack(ConfigRepr):
             adv = self._step(forward, objective, clean, adv)
         else:
             _, adv = tf.while_loop(
-                lambda i, _: i < self.steps, body, (tf.constant(0), adv),
+                lambda i, _: i < self.steps,
+                body,
+                (tf.constant(0), adv),
             )
         merged = list(flat)
         for i, point in zip(chosen, adv):
@@ -173,9 +182,7 @@ class Attack(ConfigRepr):
         with tf.GradientTape() as tape:
             tape.watch(points)
             value = objective(forward(points))
-        grads = tape.gradient(
-            value, points, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
+        grads = tape.gradient(value, points, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.cast(g, tf.float32) for g in grads]
         if self.norm == "inf":
             moved = [p + self.step_size * tf.sign(g) for p, g in zip(points, grads)]
@@ -225,8 +232,7 @@ class Attack(ConfigRepr):
 def per_example_norm(tensors):
     """The L2 norm per example over all (batch-first) `tensors` jointly: shape `(batch,)`."""
     squares = [
-        tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1)
-        for t in tensors
+        tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]), axis=1) for t in tensors
     ]
     return tf.sqrt(tf.add_n(squares))
 
@@ -241,19 +247,17 @@ def _validate_clip(clip):
     if clip is None:
         return None
     if (
-        not isinstance(clip, (tuple, list)) or len(clip) != 2
+        not isinstance(clip, (tuple, list))
+        or len(clip) != 2
         or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) for c in clip)
     ):
         raise ValueError(
-            "`clip` must be None or a pair (min, max) of numbers. "
-            f"Received: clip={clip!r}"
+            f"`clip` must be None or a pair (min, max) of numbers. Received: clip={clip!r}"
         )
     low = validation.finite_number(clip[0], "clip[0]")
     high = validation.finite_number(clip[1], "clip[1]")
     if not low < high:
-        raise ValueError(
-            f"`clip` must be (min, max) with min < max. Received: clip={clip!r}"
-        )
+        raise ValueError(f"`clip` must be (min, max) with min < max. Received: clip={clip!r}")
     return (low, high)
 
 
@@ -275,4 +279,3 @@ def check_attack(attack, name="attack"):
             f"kt.attacks.FGSM(epsilon=8/255)). Received: {name}={attack!r}"
         )
     return attack
-

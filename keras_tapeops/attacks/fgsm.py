@@ -46,18 +46,30 @@ class FGSM(Attack):
     """
 
     def __init__(
-        self, epsilon: float, random_start: bool = True, step_size: float | None = None,
+        self,
+        epsilon: float,
+        random_start: bool = True,
+        step_size: float | None = None,
         clip: tuple[float, float] | None = None,
-        inputs: str | int | Sequence[str | int] | None = None, norm: str = "inf",
-        loss: LossLike | None = None, seed: int | None = None,
+        inputs: str | int | Sequence[str | int] | None = None,
+        norm: str = "inf",
+        loss: LossLike | None = None,
+        seed: int | None = None,
     ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")
         random_start = validation.boolean(random_start, "random_start")
         if step_size is None:
             step_size = 1.25 * epsilon if random_start else epsilon
         super().__init__(
-            epsilon, step_size, 1, norm=norm, random_start=random_start,
-            clip=clip, inputs=inputs, loss=loss, seed=seed,
+            epsilon,
+            step_size,
+            1,
+            norm=norm,
+            random_start=random_start,
+            clip=clip,
+            inputs=inputs,
+            loss=loss,
+            seed=seed,
         )
 
     def get_config(self) -> dict[str, Any]:

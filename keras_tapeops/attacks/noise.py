@@ -58,22 +58,21 @@ def random_start(clean, epsilon, norm, seed, step, gather_batch_sizes=True):
     draw = _Draws(clean[0], seed, step, gather_batch_sizes)
     if norm == "inf":
         return [
-            epsilon * draw.uniform(i, c.shape, minval=-1.0, maxval=1.0)
-            for i, c in enumerate(clean)
+            epsilon * draw.uniform(i, c.shape, minval=-1.0, maxval=1.0) for i, c in enumerate(clean)
         ]
     directions = [draw.normal(i, c.shape) for i, c in enumerate(clean)]
-    norms = tf.sqrt(tf.add_n([
-        tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
-        for d in directions
-    ]))
-    size = tf.add_n([
-        tf.cast(tf.reduce_prod(tf.shape(c)[1:]), tf.float32) for c in clean
-    ])
+    norms = tf.sqrt(
+        tf.add_n(
+            [
+                tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
+                for d in directions
+            ]
+        )
+    )
+    size = tf.add_n([tf.cast(tf.reduce_prod(tf.shape(c)[1:]), tf.float32) for c in clean])
     u = draw.uniform(len(clean), tf.TensorShape([None]))
     radius = epsilon * tf.pow(u, 1.0 / size) / tf.maximum(norms, 1e-12)
-    return [
-        tf.reshape(radius, [-1] + [1] * (d.shape.rank - 1)) * d for d in directions
-    ]
+    return [tf.reshape(radius, [-1] + [1] * (d.shape.rank - 1)) * d for d in directions]
 
 
 class _Draws:
@@ -83,21 +82,20 @@ class _Draws:
         self.n = tf.shape(first)[0]
         self.seed = seed
         if seed is not None:
-            self.key = tf.stack([
-                tf.constant(seed, tf.int64), tf.cast(step, tf.int64)
-            ])
+            self.key = tf.stack([tf.constant(seed, tf.int64), tf.cast(step, tf.int64)])
             self.offset, self.total = global_rows(self.n, gather_batch_sizes)
 
     def uniform(self, index, shape, minval=0.0, maxval=1.0):
         if self.seed is None:
-            return tf.random.uniform(
-                self._dynamic(shape, self.n), minval, maxval, tf.float32
-            )
+            return tf.random.uniform(self._dynamic(shape, self.n), minval, maxval, tf.float32)
         full = tf.random.stateless_uniform(
-            self._dynamic(shape, self.total), self._key(index), minval, maxval,
+            self._dynamic(shape, self.total),
+            self._key(index),
+            minval,
+            maxval,
             tf.float32,
         )
-        return full[self.offset:self.offset + self.n]
+        return full[self.offset : self.offset + self.n]
 
     def normal(self, index, shape):
         if self.seed is None:
@@ -105,7 +103,7 @@ class _Draws:
         full = tf.random.stateless_normal(
             self._dynamic(shape, self.total), self._key(index), dtype=tf.float32
         )
-        return full[self.offset:self.offset + self.n]
+        return full[self.offset : self.offset + self.n]
 
     def _key(self, index):
         return tf.random.experimental.stateless_fold_in(self.key, index)

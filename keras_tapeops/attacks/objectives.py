@@ -23,9 +23,7 @@ def validate_loss(loss):
         try:
             keras.losses.get(loss)
         except (ValueError, TypeError):
-            raise ValueError(
-                f"`loss` is not a Keras loss name. Received: loss={loss!r}"
-            ) from None
+            raise ValueError(f"`loss` is not a Keras loss name. Received: loss={loss!r}") from None
         return loss
     if callable(loss):
         return loss
@@ -144,9 +142,7 @@ def log_probabilities(outputs, from_logits):
     outputs = tf.cast(outputs, tf.float32)
     if outputs.shape[-1] == 1:
         if from_logits:
-            return tf.concat(
-                [tf.math.log_sigmoid(-outputs), tf.math.log_sigmoid(outputs)], -1
-            )
+            return tf.concat([tf.math.log_sigmoid(-outputs), tf.math.log_sigmoid(outputs)], -1)
         outputs = tf.concat([1.0 - outputs, outputs], -1)
     if from_logits:
         return tf.nn.log_softmax(outputs, axis=-1)
@@ -171,8 +167,6 @@ def kl_objective(clean_log_p, from_logits):
     clean_log_p = tf.stop_gradient(clean_log_p)
 
     def objective(y_pred):
-        return tf.reduce_sum(
-            kl_per_example(clean_log_p, log_probabilities(y_pred, from_logits))
-        )
+        return tf.reduce_sum(kl_per_example(clean_log_p, log_probabilities(y_pred, from_logits)))
 
     return objective

@@ -49,10 +49,15 @@ class PGD(Attack):
     """
 
     def __init__(
-        self, epsilon: float, step_size: float | None = None, steps: int = 10,
-        norm: str = "inf", random_start: bool = True,
+        self,
+        epsilon: float,
+        step_size: float | None = None,
+        steps: int = 10,
+        norm: str = "inf",
+        random_start: bool = True,
         clip: tuple[float, float] | None = None,
-        inputs: str | int | Sequence[str | int] | None = None, loss: LossLike | None = None,
+        inputs: str | int | Sequence[str | int] | None = None,
+        loss: LossLike | None = None,
         seed: int | None = None,
     ) -> None:
         epsilon = validation.positive_number(epsilon, "epsilon")
@@ -60,6 +65,13 @@ class PGD(Attack):
         if step_size is None:
             step_size = 2.5 * epsilon / steps
         super().__init__(
-            epsilon, step_size, steps, norm=norm, random_start=random_start,
-            clip=clip, inputs=inputs, loss=loss, seed=seed,
+            epsilon,
+            step_size,
+            steps,
+            norm=norm,
+            random_start=random_start,
+            clip=clip,
+            inputs=inputs,
+            loss=loss,
+            seed=seed,
         )

@@ -19,7 +19,9 @@ from keras_tapeops.attacks.base import check_attack
 
 
 def evaluate_robustness(
-    model: keras.Model, data: tf.data.Dataset | tuple[Any, ...], attack: Attack,
+    model: keras.Model,
+    data: tf.data.Dataset | tuple[Any, ...],
+    attack: Attack,
     batch_size: int | None = None,
 ) -> dict[str, float]:
     """Returns clean and robust (under `attack`) loss and accuracy over `data`.

@@ -18,9 +18,13 @@ from keras_tapeops.typing_aliases import Nested
 
 
 def grad_cam(
-    model: keras.Model, x: Nested, layer: str | keras.layers.Layer,
-    target: int | Sequence[int] | Array | None = None, upsample: bool = False,
-    input_name: str | int | None = None, output_name: str | int | None = None,
+    model: keras.Model,
+    x: Nested,
+    layer: str | keras.layers.Layer,
+    target: int | Sequence[int] | Array | None = None,
+    upsample: bool = False,
+    input_name: str | int | None = None,
+    output_name: str | int | None = None,
 ) -> np.ndarray:
     """Grad-CAM: `relu(sum_c w_c * A_c)`, `w_c` the spatial mean of `d score / d A_c`.
 

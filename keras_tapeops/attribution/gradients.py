@@ -23,9 +23,12 @@ from keras_tapeops.typing_aliases import Nested
 
 
 def saliency(
-    model: keras.Model, x: Nested, target: int | Sequence[int] | Array | None = None,
+    model: keras.Model,
+    x: Nested,
+    target: int | Sequence[int] | Array | None = None,
     absolute: bool = True,
-    input_name: str | int | None = None, output_name: str | int | None = None,
+    input_name: str | int | None = None,
+    output_name: str | int | None = None,
 ) -> np.ndarray:
     """The gradient of the target output with respect to the input (Simonyan et al. 2014).
 
@@ -82,10 +85,16 @@ def saliency(
 
 
 def smoothgrad(
-    model: keras.Model, x: Nested, target: int | Sequence[int] | Array | None = None,
-    samples: int = 25, noise: float = 0.15, absolute: bool = True, seed: int | None = None,
+    model: keras.Model,
+    x: Nested,
+    target: int | Sequence[int] | Array | None = None,
+    samples: int = 25,
+    noise: float = 0.15,
+    absolute: bool = True,
+    seed: int | None = None,
     batch_size: int | None = None,
-    input_name: str | int | None = None, output_name: str | int | None = None,
+    input_name: str | int | None = None,
+    output_name: str | int | None = None,
 ) -> np.ndarray:
     """The gradient averaged over noisy copies of the input (Smilkov et al. 2017).
 
@@ -171,12 +180,11 @@ def batched_gradients(forward, points, target, per_pass=None):
     if per_pass is None or per_pass >= k:
         return _group_gradients(forward, points, target)
     chunks = -(-k // per_pass)
-    padded = tf.concat(
-        [points, tf.repeat(points[-1:], chunks * per_pass - k, axis=0)], 0
-    )
+    padded = tf.concat([points, tf.repeat(points[-1:], chunks * per_pass - k, axis=0)], 0)
     shaped = tf.reshape(padded, tf.concat([[chunks, per_pass], tf.shape(points)[1:]], 0))
     grads = tf.map_fn(
-        lambda chunk: _group_gradients(forward, chunk, target), shaped,
+        lambda chunk: _group_gradients(forward, chunk, target),
+        shaped,
         fn_output_signature=tf.TensorSpec(shaped.shape[1:], points.dtype),
     )
     return tf.reshape(grads, tf.concat([[chunks * per_pass], tf.shape(points)[1:]], 0))[:k]

@@ -23,13 +23,18 @@ from keras_tapeops.typing_aliases import Nested
 
 
 def integrated_gradients(
-    model: keras.Model, x: Nested, baseline: float | Array | None = None,
-    target: int | Sequence[int] | Array | None = None, steps: int = 50,
+    model: keras.Model,
+    x: Nested,
+    baseline: float | Array | None = None,
+    target: int | Sequence[int] | Array | None = None,
+    steps: int = 50,
     batch_size: int | None = None,
     baselines: Array | Sequence[float | Array] | None = None,
     num_random_baselines: int | None = None,
-    random_baseline_range: tuple[float, float] = (0.0, 1.0), seed: int | None = None,
-    input_name: str | int | None = None, output_name: str | int | None = None,
+    random_baseline_range: tuple[float, float] = (0.0, 1.0),
+    seed: int | None = None,
+    input_name: str | int | None = None,
+    output_name: str | int | None = None,
 ) -> np.ndarray:
     """Integrated Gradients with the trapezoid rule over `steps` intervals.
 
@@ -117,8 +122,11 @@ def _baselines(baseline, baselines, count, value_range, seed, x):
     """`(m, *x.shape)`: the baselines to average over (m = 1 for one baseline)."""
     given = [
         f"{name}={value!r}" if name != "baselines" else "baselines=..."
-        for name, value in (("baseline", baseline), ("baselines", baselines),
-                            ("num_random_baselines", count))
+        for name, value in (
+            ("baseline", baseline),
+            ("baselines", baselines),
+            ("num_random_baselines", count),
+        )
         if value is not None
     ]
     if len(given) > 1:

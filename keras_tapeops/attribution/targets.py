@@ -100,9 +100,7 @@ def selected(outputs, target):
     reported by `check_resolved` after the call.
     """
     units = tf.shape(outputs)[1]
-    resolved = tf.where(
-        target < 0, tf.argmax(outputs, axis=1, output_type=tf.int32), target
-    )
+    resolved = tf.where(target < 0, tf.argmax(outputs, axis=1, output_type=tf.int32), target)
     safe = tf.minimum(resolved, units - 1)
     scores = tf.gather(outputs, safe, axis=1, batch_dims=1)
     return scores, resolved, units
@@ -113,8 +111,7 @@ def check_resolved(target, resolved, units):
     resolved = np.asarray(resolved)
     if (resolved >= int(units)).any():
         raise ValueError(
-            f"`target` must name an output unit below {int(units)}. "
-            f"Received: target={target!r}"
+            f"`target` must name an output unit below {int(units)}. Received: target={target!r}"
         )
 
 

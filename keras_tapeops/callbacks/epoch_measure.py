@@ -75,8 +75,7 @@ class EpochMeasure(keras.callbacks.Callback):
     def measure(self) -> Any:
         """Returns the value to log for `self.model` now (a subclass implements it)."""
         raise NotImplementedError(
-            f"{type(self).__name__} must implement `measure()`, returning the "
-            "value to log."
+            f"{type(self).__name__} must implement `measure()`, returning the value to log."
         )
 
     def on_train_begin(self, logs: Logs = None) -> None:

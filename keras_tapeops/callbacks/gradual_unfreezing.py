@@ -91,7 +91,9 @@ class GradualUnfreezing(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, schedule: Sequence[tuple[Selector, int]] | dict[Any, int], unit: str = "epoch",
+        self,
+        schedule: Sequence[tuple[Selector, int]] | dict[Any, int],
+        unit: str = "epoch",
         verbose: int = 0,
     ) -> None:
         super().__init__()
@@ -172,13 +174,9 @@ class GradualUnfreezing(keras.callbacks.Callback):
     def _update(self, position):
         if position is None:
             return
-        wanted = frozenset(
-            id(v) for chosen, at in self._entries if position < at for v in chosen
-        )
+        wanted = frozenset(id(v) for chosen, at in self._entries if position < at for v in chosen)
         self._done = not wanted
-        layers_agree = all(
-            layer.trainable == (not own <= wanted) for layer, own in self._layers
-        )
+        layers_agree = all(layer.trainable == (not own <= wanted) for layer, own in self._layers)
         if wanted == self._frozen and layers_agree:
             return
         state = getattr(self.model, "tapeops_state", None)

@@ -53,7 +53,8 @@ def group_learning_rates(model):
 def scheduled_groups(optimizers):
     """Names of the groups whose learning rate is a schedule (cannot be set)."""
     return [
-        name for name, optimizer in optimizers.items()
+        name
+        for name, optimizer in optimizers.items()
         if isinstance(optimizer.get_config().get("learning_rate"), dict)
     ]
 
@@ -178,8 +179,7 @@ class GroupLearningRateScheduler(keras.callbacks.Callback):
         schedule = config.get("schedule")
         if isinstance(schedule, dict) and "class_name" not in schedule:
             config["schedule"] = {
-                name: keras.saving.deserialize_keras_object(fn)
-                for name, fn in schedule.items()
+                name: keras.saving.deserialize_keras_object(fn) for name, fn in schedule.items()
             }
         elif schedule is not None:
             config["schedule"] = keras.saving.deserialize_keras_object(schedule)

@@ -59,8 +59,15 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, verbose: int = 0,
-        mode: str = "auto", min_delta: float = 1e-4, cooldown: int = 0, min_lr: float = 0.0,
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
         log: bool = False,
     ) -> None:
         super().__init__()
@@ -159,9 +166,15 @@ class GroupReduceLROnPlateau(keras.callbacks.Callback):
 
     def get_config(self) -> dict[str, Any]:
         return {
-            "monitor": self.monitor, "factor": self.factor, "patience": self.patience,
-            "verbose": self.verbose, "mode": self.mode, "min_delta": self.min_delta,
-            "cooldown": self.cooldown, "min_lr": self.min_lr, "log": self.log,
+            "monitor": self.monitor,
+            "factor": self.factor,
+            "patience": self.patience,
+            "verbose": self.verbose,
+            "mode": self.mode,
+            "min_delta": self.min_delta,
+            "cooldown": self.cooldown,
+            "min_lr": self.min_lr,
+            "log": self.log,
         }
 
     @classmethod

@@ -67,8 +67,13 @@ class PrivacyBudget(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, dataset_size: int, delta: float = 1e-5, target_epsilon: float | None = None,
-        sampling_rate: float | None = None, accountant: str = "pld", name: str = "epsilon",
+        self,
+        dataset_size: int,
+        delta: float = 1e-5,
+        target_epsilon: float | None = None,
+        sampling_rate: float | None = None,
+        accountant: str = "pld",
+        name: str = "epsilon",
     ) -> None:
         super().__init__()
         self.dataset_size = validation.positive_int(dataset_size, "dataset_size")
@@ -76,7 +81,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         if self.delta >= 1:
             raise ValueError(f"`delta` must be in (0, 1). Received: delta={delta!r}")
         self.target_epsilon = (
-            None if target_epsilon is None
+            None
+            if target_epsilon is None
             else validation.positive_number(target_epsilon, "target_epsilon")
         )
         self.sampling_rate = (
@@ -137,9 +143,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         rate = self._rate()
         if steps == 0 or rate is None:
             return 0.0
-        return accounting.epsilon(
-            steps, rate, self._noise_multiplier, self.delta, self.accountant
-        )
+        return accounting.epsilon(steps, rate, self._noise_multiplier, self.delta, self.accountant)
 
     def _steps(self):
         return int(self.model.optimizer.iterations.numpy())
@@ -208,6 +212,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         if self._noise_multiplier == 0:
             allowed = 0
         else:
+
             def within(steps):
                 return self._epsilon_of(steps, rate) <= self.target_epsilon
 

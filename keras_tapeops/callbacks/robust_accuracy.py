@@ -49,8 +49,12 @@ class RobustAccuracy(EpochMeasure):
     """
 
     def __init__(
-        self, data: Data, attack: Attack, name: str = "robust_accuracy",
-        batch_size: int | None = None, every: int = 1,
+        self,
+        data: Data,
+        attack: Attack,
+        name: str = "robust_accuracy",
+        batch_size: int | None = None,
+        every: int = 1,
     ) -> None:
         self.evaluator = RobustnessEvaluator(attack)
         self.attack = attack

@@ -46,8 +46,7 @@ class SelectionSchedule(keras.callbacks.Callback):
         super().__init__()
         if not callable(schedule):
             raise TypeError(
-                "`schedule` must be a callable epoch -> value. "
-                f"Received: schedule={schedule!r}"
+                f"`schedule` must be a callable epoch -> value. Received: schedule={schedule!r}"
             )
         self.schedule = schedule
         self.verbose = verbose

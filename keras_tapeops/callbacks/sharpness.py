@@ -51,8 +51,13 @@ class Sharpness(EpochMeasure):
     """
 
     def __init__(
-        self, data: Data, every: int = 1, iterations: int = 20, name: str = "sharpness",
-        seed: int | None = None, tolerance: float = 1e-4,
+        self,
+        data: Data,
+        every: int = 1,
+        iterations: int = 20,
+        name: str = "sharpness",
+        seed: int | None = None,
+        tolerance: float = 1e-4,
     ) -> None:
         super().__init__(data, name, every)
         self.iterations = validation.positive_int(iterations, "iterations")

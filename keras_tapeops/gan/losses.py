@@ -40,9 +40,7 @@ def _hinge_d(real, fake):
 
 
 def _least_squares_d(real, fake):
-    return 0.5 * mean_score(real, lambda t: tf.square(t - 1.0)) + 0.5 * mean_score(
-        fake, tf.square
-    )
+    return 0.5 * mean_score(real, lambda t: tf.square(t - 1.0)) + 0.5 * mean_score(fake, tf.square)
 
 
 def _least_squares_g(fake):

@@ -90,7 +90,8 @@ class GAN(keras.Model):
     _role = "discriminator"
     # compile()'s argument for each player's gradient transforms (None: not taken).
     _transform_arguments: tuple[str | None, str] = (
-        "generator_gradient_transforms", "discriminator_gradient_transforms",
+        "generator_gradient_transforms",
+        "discriminator_gradient_transforms",
     )
 
     def __init__(
@@ -199,12 +200,21 @@ class GAN(keras.Model):
             None. Raises before changing anything if an argument is invalid.
         """
         self._compile_players(
-            generator_optimizer, discriminator_optimizer,
-            generator_gradient_transforms, discriminator_gradient_transforms, kwargs,
+            generator_optimizer,
+            discriminator_optimizer,
+            generator_gradient_transforms,
+            discriminator_gradient_transforms,
+            kwargs,
         )
 
-    def _compile_players(self, generator_optimizer, discriminator_optimizer,
-                         generator_transforms, discriminator_transforms, kwargs):
+    def _compile_players(
+        self,
+        generator_optimizer,
+        discriminator_optimizer,
+        generator_transforms,
+        discriminator_transforms,
+        kwargs,
+    ):
         role, owner = self._role, self._public_name()
         for key in kwargs:
             if key not in _STOCK_COMPILE_KWARGS:
@@ -235,7 +245,9 @@ class GAN(keras.Model):
             self._transform_arguments,
         ):
             values = validation.instances(
-                values, GradientTransform, argument or "gradient_transforms",
+                values,
+                GradientTransform,
+                argument or "gradient_transforms",
                 "kt.GradientTransform (e.g. kt.ClipByNorm(1.0))",
             )
             variables = list(player.trainable_variables)
@@ -320,13 +332,14 @@ class GAN(keras.Model):
         # One tracker update per batch (the mean over its discriminator steps,
         # all of the same size): the same epoch mean as one update per step.
         self._discriminator_tracker.update_state(
-            _unless_empty(_mean(discriminator_losses), n), sample_weight=n)
+            _unless_empty(_mean(discriminator_losses), n), sample_weight=n
+        )
         if self.gradient_penalty is not None:
             self.gradient_penalty_tracker.update_state(
-                _unless_empty(_mean(penalties), n), sample_weight=n)
+                _unless_empty(_mean(penalties), n), sample_weight=n
+            )
         generator_loss = self.generator_train_step(real, labels)
-        self.generator_loss_tracker.update_state(
-            _unless_empty(generator_loss, n), sample_weight=n)
+        self.generator_loss_tracker.update_state(_unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
     def test_step(self, data: Nested) -> dict[str, tf.Tensor]:
@@ -337,8 +350,7 @@ class GAN(keras.Model):
         self._discriminator_tracker.update_state(_unless_empty(loss, n), sample_weight=n)
         if self.gradient_penalty is not None:
             self.gradient_penalty_tracker.update_state(_unless_empty(penalty, n), sample_weight=n)
-        self.generator_loss_tracker.update_state(
-            _unless_empty(generator_loss, n), sample_weight=n)
+        self.generator_loss_tracker.update_state(_unless_empty(generator_loss, n), sample_weight=n)
         return {m.name: m.result() for m in self.metrics}
 
     def discriminator_train_step(
@@ -359,9 +371,7 @@ class GAN(keras.Model):
         variables = self.generator.trainable_variables
         with tf.GradientTape() as tape:
             loss = self.generator_objective(real, True, labels)
-            scaled = self.generator_optimizer.scale_loss(
-                replicas.scale_for_distribution(loss)
-            )
+            scaled = self.generator_optimizer.scale_loss(replicas.scale_for_distribution(loss))
         grads = tape.gradient(scaled, variables)
         _apply(self.generator_optimizer, self._bound_generator_transforms, grads, variables)
         return loss
@@ -380,16 +390,17 @@ class GAN(keras.Model):
         if labels is None:
             discriminator = self._discriminator
         else:
+
             def discriminator(x, training=True):
                 return self._discriminator([x, labels], training=training)
+
         alpha = self._alpha(real, step) if penalty.interpolates else None
-        value = tf.cast(penalty(discriminator, real, fake, alpha=alpha, training=training),
-                        "float32")
+        value = tf.cast(
+            penalty(discriminator, real, fake, alpha=alpha, training=training), "float32"
+        )
         return loss + tf.cast(penalty.weight, "float32") * value, value
 
-    def generator_objective(
-        self, real: Nested, training: bool, labels: Nested = None
-    ) -> tf.Tensor:
+    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> tf.Tensor:
         """Returns the generator's loss (float32) for fresh noise."""
         step = self._discriminator_steps
         fake = self.generator(self._generator_input(real, step, labels), training=training)
@@ -457,8 +468,12 @@ class GAN(keras.Model):
         gradients (unscaled, summed once over replicas); a non-finite step
         still reaches a `LossScaleOptimizer` as non-finite so it is skipped.
         """
-        _apply(self._discriminator_optimizer, getattr(self, f"_bound_{self._role}_transforms"),
-               grads, variables)
+        _apply(
+            self._discriminator_optimizer,
+            getattr(self, f"_bound_{self._role}_transforms"),
+            grads,
+            variables,
+        )
 
     # ------------------------------------------------------------------ saving
     def get_config(self) -> dict[str, Any]:
@@ -471,7 +486,8 @@ class GAN(keras.Model):
             "latent_dim": self.latent_dim,
             "loss": self.adversarial_loss,
             "discriminator_steps": self._discriminator_steps,
-            "gradient_penalty": None if penalty is None
+            "gradient_penalty": None
+            if penalty is None
             else keras.saving.serialize_keras_object(penalty),
             "conditional": self.conditional,
         }
@@ -490,9 +506,7 @@ class GAN(keras.Model):
         role = self._role
         config = {
             "generator_optimizer": keras.saving.serialize_keras_object(self.generator_optimizer),
-            f"{role}_optimizer": keras.saving.serialize_keras_object(
-                self._discriminator_optimizer
-            ),
+            f"{role}_optimizer": keras.saving.serialize_keras_object(self._discriminator_optimizer),
         }
         for argument, transforms, player in zip(
             self._transform_arguments,
@@ -511,8 +525,7 @@ class GAN(keras.Model):
         for argument in self._transform_arguments:
             if argument is not None:
                 config[argument] = [
-                    keras.saving.deserialize_keras_object(t)
-                    for t in config.get(argument) or []
+                    keras.saving.deserialize_keras_object(t) for t in config.get(argument) or []
                 ]
         self.compile(**config)
         # Create the optimizer variables so the saved states load into them.
@@ -524,7 +537,9 @@ def _apply(optimizer, bound, grads, variables):
         optimizer.apply_gradients(zip(grads, variables))
         return
     true_gradients.apply_transformed(
-        optimizer, grads, variables,
+        optimizer,
+        grads,
+        variables,
         transform=lambda g, v: apply_in_order(bound, g, v),
     )
 
@@ -565,6 +580,4 @@ def _get_optimizer(identifier, name, owner):
 def _loss_scaled(optimizer, name):
     if private.is_loss_scale_optimizer(optimizer):
         return optimizer
-    return keras.optimizers.LossScaleOptimizer(
-        optimizer, name=f"{name}_loss_scale_optimizer"
-    )
+    return keras.optimizers.LossScaleOptimizer(optimizer, name=f"{name}_loss_scale_optimizer")

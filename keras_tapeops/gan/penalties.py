@@ -51,8 +51,12 @@ class DiscriminatorPenalty(ConfigRepr):
     weight = 1.0
 
     def __call__(
-        self, discriminator: Callable[..., Any], real: Nested, fake: Nested,
-        alpha: tf.Tensor | None = None, training: bool = True,
+        self,
+        discriminator: Callable[..., Any],
+        real: Nested,
+        fake: Nested,
+        alpha: tf.Tensor | None = None,
+        training: bool = True,
     ) -> tf.Tensor:
         raise NotImplementedError(
             f"{type(self).__name__} must implement "
@@ -91,8 +95,12 @@ class R1Penalty(DiscriminatorPenalty):
         return self.gamma / 2.0
 
     def __call__(
-        self, discriminator: Callable[..., Any], real: Nested, fake: Nested = None,
-        alpha: tf.Tensor | None = None, training: bool = True,
+        self,
+        discriminator: Callable[..., Any],
+        real: Nested,
+        fake: Nested = None,
+        alpha: tf.Tensor | None = None,
+        training: bool = True,
     ) -> tf.Tensor:
         flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(real)]
         with tf.GradientTape() as tape:
@@ -101,7 +109,8 @@ class R1Penalty(DiscriminatorPenalty):
         grads = tape.gradient(tf.nest.flatten(scores), flat)
         squared = [
             tf.reduce_sum(tf.square(tf.cast(g, "float32")), axis=list(range(1, g.shape.rank)))
-            for g in grads if g is not None
+            for g in grads
+            if g is not None
         ]
         if not squared:
             raise ValueError(
@@ -140,8 +149,12 @@ class WGANGradientPenalty(DiscriminatorPenalty):
         self.target = validation.non_negative_number(target, "target")
 
     def __call__(
-        self, discriminator: Callable[..., Any], real: Nested, fake: Nested,
-        alpha: tf.Tensor | None = None, training: bool = True,
+        self,
+        discriminator: Callable[..., Any],
+        real: Nested,
+        fake: Nested,
+        alpha: tf.Tensor | None = None,
+        training: bool = True,
     ) -> tf.Tensor:
         return gradient_penalty(
             discriminator, real, fake, alpha=alpha, target=self.target, training=training

@@ -73,14 +73,23 @@ class WGANGP(GAN):
     _transform_arguments = (None, "gradient_transforms")
 
     def __init__(
-        self, generator: keras.Model, critic: keras.Model, latent_dim: int,
-        critic_steps: int = 5, gp_weight: float = 10.0, **kwargs: Any,
+        self,
+        generator: keras.Model,
+        critic: keras.Model,
+        latent_dim: int,
+        critic_steps: int = 5,
+        gp_weight: float = 10.0,
+        **kwargs: Any,
     ) -> None:
         gp_weight = validation.non_negative_number(gp_weight, "gp_weight")
         super().__init__(
-            generator, critic, latent_dim, loss="wasserstein",
+            generator,
+            critic,
+            latent_dim,
+            loss="wasserstein",
             discriminator_steps=critic_steps,
-            gradient_penalty=WGANGradientPenalty(weight=gp_weight), **kwargs,
+            gradient_penalty=WGANGradientPenalty(weight=gp_weight),
+            **kwargs,
         )
         self.gp_weight = gp_weight
 
@@ -109,8 +118,9 @@ class WGANGP(GAN):
         Returns:
             None. Raises before changing anything if an argument is invalid.
         """
-        self._compile_players(generator_optimizer, critic_optimizer, None,
-                              gradient_transforms, kwargs)
+        self._compile_players(
+            generator_optimizer, critic_optimizer, None, gradient_transforms, kwargs
+        )
 
     @property
     def gradient_transforms(self) -> tuple[GradientTransform, ...]:
@@ -139,9 +149,7 @@ class WGANGP(GAN):
         """Returns `(critic_loss, penalty)` (float32) for `real` and fresh noise."""
         return GAN.discriminator_losses(self, real, step, training)
 
-    def generator_objective(
-        self, real: Nested, training: bool, labels: Nested = None
-    ) -> tf.Tensor:
+    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> tf.Tensor:
         return self.generator_loss(real, training)
 
     # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
@@ -213,4 +221,3 @@ class WGANGP(GAN):
         for key in ("generator", "critic"):
             config[key] = keras.saving.deserialize_keras_object(config[key])
         return cls(**config)
-

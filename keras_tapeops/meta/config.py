@@ -77,7 +77,8 @@ class MetaConfig(ConfigRepr):
             learn_inner_learning_rate, "learn_inner_learning_rate"
         )
         self.inner_batch_size = (
-            None if inner_batch_size is None
+            None
+            if inner_batch_size is None
             else validation.positive_int(inner_batch_size, "inner_batch_size")
         )
         self.inner_optimizer = inner_optimizer_lib.resolve(inner_optimizer)
@@ -86,11 +87,16 @@ class MetaConfig(ConfigRepr):
             inner_loss_reduction, "inner_loss_reduction", REDUCTIONS
         )
         if self.algorithm == "reptile":
-            _refuse_with_reptile("adapt", self.adapt, self.adapt is not None,
-                                 "the variables it leaves out would never be trained "
-                                 "(Reptile moves only the adapted weights)")
             _refuse_with_reptile(
-                "learn_inner_learning_rate", self.learn_inner_learning_rate,
+                "adapt",
+                self.adapt,
+                self.adapt is not None,
+                "the variables it leaves out would never be trained "
+                "(Reptile moves only the adapted weights)",
+            )
+            _refuse_with_reptile(
+                "learn_inner_learning_rate",
+                self.learn_inner_learning_rate,
                 self.learn_inner_learning_rate,
                 "Reptile does not differentiate through the inner loop, so "
                 "the rates would never be learned (Meta-SGD needs "

@@ -49,8 +49,11 @@ class FunctionalLoss:
     def predict(self, weights, x):
         """`model(x)` at `weights`; returns `(y_pred, additional_losses)`."""
         y_pred, _, losses = self.model.stateless_call(
-            list(weights), self.non_trainable, x,
-            training=self.training, return_losses=True,
+            list(weights),
+            self.non_trainable,
+            x,
+            training=self.training,
+            return_losses=True,
         )
         return y_pred, losses
 
@@ -63,8 +66,9 @@ class FunctionalLoss:
         return value, y_pred
 
 
-def sgd_steps(loss, weights, x, y, adapted, rates, steps, first_order,
-              batch_size=None, optimizer=None):
+def sgd_steps(
+    loss, weights, x, y, adapted, rates, steps, first_order, batch_size=None, optimizer=None
+):
     """Returns the weights after `steps` of SGD on `loss(weights, x, y)`.
 
     Args:
@@ -105,9 +109,7 @@ def sgd_steps(loss, weights, x, y, adapted, rates, steps, first_order,
                 continue
             if first_order:
                 g = tf.stop_gradient(g)
-            weights[i], slots[k] = optimizer.update(
-                weights[i], g, tf.cast(rate, g.dtype), slots[k]
-            )
+            weights[i], slots[k] = optimizer.update(weights[i], g, tf.cast(rate, g.dtype), slots[k])
     return weights
 
 

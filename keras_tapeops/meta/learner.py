@@ -170,9 +170,7 @@ class MetaLearner(keras.Model):
         self._task_loss: TaskLoss | None = None  # set by compile()
         learned: list = []
         if config.learn_inner_learning_rate:
-            learned = rates_lib.create_learned_rates(
-                self, adapted, config.inner_learning_rate
-            )
+            learned = rates_lib.create_learned_rates(self, adapted, config.inner_learning_rate)
         self._learned_rates = learned
         self._rate_of = {id(v): r for v, r in zip(adapted, learned)}
         self.built = True
@@ -235,8 +233,11 @@ class MetaLearner(keras.Model):
 
     # ------------------------------------------------------------- compile
     def compile(
-        self, optimizer: keras.optimizers.Optimizer | str = "rmsprop", loss: LossLike | None = None,
-        metrics: Any = None, **kwargs: Any,
+        self,
+        optimizer: keras.optimizers.Optimizer | str = "rmsprop",
+        loss: LossLike | None = None,
+        metrics: Any = None,
+        **kwargs: Any,
     ) -> None:
         """Configures meta-training: everything stock `compile()` takes.
 
@@ -318,8 +319,7 @@ class MetaLearner(keras.Model):
             # Scaled like a loss, so a LossScaleOptimizer's unscaling (and
             # its skipping of non-finite steps) applies as to MAML's gradients.
             grads = [
-                self.optimizer.scale_loss(tf.reduce_sum(delta, axis=0) / total)
-                for delta in deltas
+                self.optimizer.scale_loss(tf.reduce_sum(delta, axis=0) / total) for delta in deltas
             ]
         else:
             with tf.GradientTape() as tape:
@@ -346,15 +346,16 @@ class MetaLearner(keras.Model):
         if private.in_symbolic_build():
             # Keras builds the compiled loss and metrics from output shapes
             # only: no adaptation is needed to know them.
-            return self.map_tasks(
-                lambda qx: self.model(qx, training=False), query_x
-            )
+            return self.map_tasks(lambda qx: self.model(qx, training=False), query_x)
         tasks = tasks_lib.Tasks(support_x, support_y, query_x, None)
         _, y_pred = self.run_tasks(tasks, training=training)
         return y_pred
 
     def run_tasks(
-        self, tasks: tasks_lib.Tasks, training: bool, reptile: bool = False,
+        self,
+        tasks: tasks_lib.Tasks,
+        training: bool,
+        reptile: bool = False,
         steps: int | None = None,
     ) -> tuple[Any, ...]:
         """Adapts to every task and evaluates its query set, vectorized over tasks.
@@ -384,7 +385,13 @@ class MetaLearner(keras.Model):
         def one_task(task):
             support_x, support_y, query_x = task[:3]
             new = self._inner_loop(
-                inner_loss, weights, support_x, support_y, adapted, rates, steps,
+                inner_loss,
+                weights,
+                support_x,
+                support_y,
+                adapted,
+                rates,
+                steps,
                 first_order,
             )
             if not with_targets:
@@ -422,14 +429,13 @@ class MetaLearner(keras.Model):
         # (a replica given no task adds nothing).
         private.loss_tracker(self).update_state(losses)
         return self.compute_metrics(
-            None, tasks_lib.merge_task_axis(tasks.query_y),
+            None,
+            tasks_lib.merge_task_axis(tasks.query_y),
             tasks_lib.merge_task_axis(y_pred),
         )
 
     # ------------------------------------------------------------ adapt
-    def adapt(
-        self, support_x: Nested, support_y: Nested, steps: int | None = None
-    ) -> keras.Model:
+    def adapt(self, support_x: Nested, support_y: Nested, steps: int | None = None) -> keras.Model:
         """Returns a copy of the model at the weights adapted to one task.
 
         The learned weights (and the model) are unchanged: the copy
@@ -483,16 +489,20 @@ class MetaLearner(keras.Model):
         weights = [tf.convert_to_tensor(v.value) for v in self.model.trainable_variables]
         adapted, rates = self._adapted_indices_and_rates()
         return self._inner_loop(
-            loss, weights, support_x, support_y, adapted, rates, steps,
+            loss,
+            weights,
+            support_x,
+            support_y,
+            adapted,
+            rates,
+            steps,
             first_order=True,
         )
 
     # ----------------------------------------------------------- helpers
     def _functional_loss(self, training, loss_fn=None):
         self._require_compiled("the step")
-        non_trainable = [
-            tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables
-        ]
+        non_trainable = [tf.convert_to_tensor(v.value) for v in self.model.non_trainable_variables]
         return inner_loop.FunctionalLoss(
             self.model, loss_fn or self._task_loss, non_trainable, training
         )
@@ -500,15 +510,21 @@ class MetaLearner(keras.Model):
     def _inner_loss(self, training):
         """The support loss: `inner_training` in `fit`, `inner_loss_reduction`."""
         self._require_compiled("the step")
-        loss_fn = (
-            self._task_loss.summed if self.inner_loss_reduction == "sum" else None
-        )
+        loss_fn = self._task_loss.summed if self.inner_loss_reduction == "sum" else None
         return self._functional_loss(training and self.inner_training, loss_fn)
 
     def _inner_loop(self, loss, weights, x, y, adapted, rates, steps, first_order):
         return inner_loop.sgd_steps(
-            loss, weights, x, y, adapted, rates, steps, first_order,
-            batch_size=self.inner_batch_size, optimizer=self.inner_optimizer,
+            loss,
+            weights,
+            x,
+            y,
+            adapted,
+            rates,
+            steps,
+            first_order,
+            batch_size=self.inner_batch_size,
+            optimizer=self.inner_optimizer,
         )
 
     def _adapted_indices_and_rates(self):
@@ -516,8 +532,10 @@ class MetaLearner(keras.Model):
         mask = selectors.select(self.adapt_selector, self.model, variables)
         indices = [i for i, on in enumerate(mask) if on]
         rates = rates_lib.rates_for(
-            [variables[i] for i in indices], self._rate_of,
-            self.learn_inner_learning_rate, self.inner_learning_rate,
+            [variables[i] for i in indices],
+            self._rate_of,
+            self.learn_inner_learning_rate,
+            self.inner_learning_rate,
         )
         return indices, rates
 
@@ -565,9 +583,7 @@ def _check_model(model):
             f"{model.name!r}"
         )
     if not model.trainable_variables:
-        raise ValueError(
-            f"`model` has no trainable variables. Received: model={model.name!r}"
-        )
+        raise ValueError(f"`model` has no trainable variables. Received: model={model.name!r}")
 
 
 def _warn_if_random_layers(model):
@@ -577,7 +593,8 @@ def _warn_if_random_layers(model):
     passes read but never advance: every step would reuse the same masks.
     """
     random = [
-        layer.name for layer in [model] + private.all_layers(model)
+        layer.name
+        for layer in [model] + private.all_layers(model)
         if any(isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values())
     ]
     if random:

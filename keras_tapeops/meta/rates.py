@@ -28,13 +28,15 @@ def create_learned_rates(learner, variables, initial_rate):
     rates = []
     for i, variable in enumerate(variables):
         name = variable.path.replace("/", "_")
-        rates.append(learner.add_weight(
-            shape=tuple(variable.shape),
-            initializer=keras.initializers.Constant(initial_rate),
-            dtype="float32",
-            trainable=True,
-            name=f"inner_rate_{i}_{name}",
-        ))
+        rates.append(
+            learner.add_weight(
+                shape=tuple(variable.shape),
+                initializer=keras.initializers.Constant(initial_rate),
+                dtype="float32",
+                trainable=True,
+                name=f"inner_rate_{i}_{name}",
+            )
+        )
     return rates
 
 

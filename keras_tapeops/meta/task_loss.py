@@ -42,15 +42,13 @@ class TaskLoss:
             )
         if isinstance(loss, (dict, list, tuple)):
             raise ValueError(
-                "MetaLearner supports models with one output and one loss. "
-                f"Received: loss={loss!r}"
+                f"MetaLearner supports models with one output and one loss. Received: loss={loss!r}"
             )
         try:
             resolved = keras.losses.get(loss)
         except (ValueError, TypeError) as error:
             raise ValueError(
-                f"`loss` must be a Keras loss, its name or a loss function. "
-                f"Received: loss={loss!r}"
+                f"`loss` must be a Keras loss, its name or a loss function. Received: loss={loss!r}"
             ) from error
         # A loss function (what a name resolves to) is reduced here, as
         # compile() reduces it ("sum_over_batch_size": the mean over the

@@ -108,8 +108,10 @@ def check_tasks(tasks):
     _same_structure(tasks.support_x, tasks.query_x, "support_x", "query_x")
     _same_structure(tasks.support_y, tasks.query_y, "support_y", "query_y")
     named = {
-        "support_x": tasks.support_x, "support_y": tasks.support_y,
-        "query_x": tasks.query_x, "query_y": tasks.query_y,
+        "support_x": tasks.support_x,
+        "support_y": tasks.support_y,
+        "query_x": tasks.query_x,
+        "query_y": tasks.query_y,
     }
     for name, value in named.items():
         for tensor in tf.nest.flatten(value):
@@ -127,10 +129,7 @@ def check_tasks(tasks):
                     f"shape (after the task and example axes). Received: {support} "
                     f"with shape {tuple(s.shape)}, {query} with shape {tuple(q.shape)}"
                 )
-    counts = {
-        name: t.shape[0] for name, value in named.items()
-        for t in tf.nest.flatten(value)[:1]
-    }
+    counts = {name: t.shape[0] for name, value in named.items() for t in tf.nest.flatten(value)[:1]}
     known = {n for n in counts.values() if n is not None}
     if len(known) > 1:
         raise ValueError(
@@ -199,9 +198,11 @@ def map_tasks(fn, elements):
 
 def _at_least_two_tasks(tensor, count):
     """`tensor` itself with two tasks or more; else its one task twice, or two zero tasks."""
+
     def padded():
         zeros = tf.zeros(tf.concat([[2], tf.shape(tensor)[1:]], 0), tensor.dtype)
         return tf.concat([tensor, tensor, zeros], 0)[:2]
+
     return tf.cond(count >= 2, lambda: tensor, padded)
 
 
@@ -215,9 +216,11 @@ def global_count(local_count):
 
 def merge_task_axis(value):
     """Reshapes every tensor `(tasks, examples, ...)` to `(tasks * examples, ...)`."""
+
     def merge(t):
         shape = tf.shape(t)
         return tf.reshape(t, tf.concat([[shape[0] * shape[1]], shape[2:]], 0))
+
     return tf.nest.map_structure(merge, value)
 
 
@@ -233,7 +236,9 @@ def _same_structure(a, b, name_a, name_b):
 
 def _describe(value):
     """A nest with its tensors shown by shape (never their values)."""
+
     def show(t):
         shape = getattr(t, "shape", None)
         return f"<tensor shape={tuple(shape)}>" if shape is not None else repr(t)
+
     return repr(tf.nest.map_structure(show, value)).replace("'", "")

@@ -21,6 +21,12 @@ from keras_tapeops.multitask.option import TaskBalancing
 from keras_tapeops.multitask.uncertainty import UncertaintyWeighting
 
 __all__ = [
-    "DWA", "FAMO", "GradNorm", "LossWeighting", "MeasureConflict", "StepContext", "TaskBalancing",
+    "DWA",
+    "FAMO",
+    "GradNorm",
+    "LossWeighting",
+    "MeasureConflict",
+    "StepContext",
+    "TaskBalancing",
     "UncertaintyWeighting",
 ]

@@ -45,7 +45,10 @@ class MeasureConflict(TaskBalancing):
     logs_weights = False
 
     def __init__(
-        self, every: int = 10, shared: Selector = None, tasks: Sequence[str] | None = None,
+        self,
+        every: int = 10,
+        shared: Selector = None,
+        tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)
         self.every = validation.positive_int(every, "every")

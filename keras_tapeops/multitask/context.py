@@ -6,6 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
+
 class StepContext:
     """What a method sees when it computes weights or updates its state.
 
@@ -20,8 +21,12 @@ class StepContext:
     """
 
     def __init__(
-        self, num_tasks: int, losses: tf.Tensor | None = None,
-        state: dict[str, Any] | None = None, step: tf.Tensor | None = None, seed: int = 0,
+        self,
+        num_tasks: int,
+        losses: tf.Tensor | None = None,
+        state: dict[str, Any] | None = None,
+        step: tf.Tensor | None = None,
+        seed: int = 0,
         epochs: Any = None,
     ) -> None:
         self.num_tasks = num_tasks

@@ -87,7 +87,9 @@ class TaskEngine(MultiGradientState):
         self.seed = int(seed) if seed is not None else random.randrange(2**31 - 1)
         self.state = {
             name: keras.Variable(
-                value, trainable=False, name=f"task_balancing_{name}",
+                value,
+                trainable=False,
+                name=f"task_balancing_{name}",
                 aggregation="only_first_replica",
             )
             for name, value in option.initial_state(k).items()
@@ -97,7 +99,8 @@ class TaskEngine(MultiGradientState):
             self.epochs.variables if self.epochs is not None else []
         )
         self.task_metrics = TaskMetrics(
-            self.task_names, model,
+            self.task_names,
+            model,
             weights=option.logs_weights,
             gradients=option.kind in ("rows", "representation", "conflict"),
             epochs=self.epochs,
@@ -143,9 +146,7 @@ class TaskEngine(MultiGradientState):
         with tf.GradientTape(persistent=True) as tape:
             with recording_task_losses(model) as record:
                 with capture.recording_outputs(layers) as captured:
-                    total, y_pred = model.compute_total_loss(
-                        x, y, sample_weight, training=True
-                    )
+                    total, y_pred = model.compute_total_loss(x, y, sample_weight, training=True)
             value_list = record.value_list(self.task_names)
             values = tf.stack(value_list)
             total = tf.cast(total, tf.float32)
@@ -220,7 +221,8 @@ class TaskEngine(MultiGradientState):
             with tf.init_scope():
                 self._sums = [
                     tf.Variable(
-                        tf.zeros(value.shape, tf.float32), trainable=False,
+                        tf.zeros(value.shape, tf.float32),
+                        trainable=False,
                         name=f"task_sum_{i}",
                         synchronization=tf.VariableSynchronization.ON_READ,
                         aggregation=tf.VariableAggregation.SUM,
@@ -271,8 +273,7 @@ class TaskEngine(MultiGradientState):
             weights = self.option.weights(gramian, context)
             parts = iter(row_ops.combine_parts(weights, rows))
             grads = [
-                g + tf.cast(next(parts), g.dtype) if on else g
-                for g, on in zip(grads, self.shared)
+                g + tf.cast(next(parts), g.dtype) if on else g for g, on in zip(grads, self.shared)
             ]
             self.task_metrics.update(weights=weights, gramian=gramian)
             self.option.update(context, gramian=gramian)
@@ -288,9 +289,7 @@ class TaskEngine(MultiGradientState):
                     lambda: row_ops.gramian_of_parts(step["rows"]),
                     lambda: tf.zeros([k, k]),
                 )
-            self.task_metrics.update(
-                gramian=gramian, sample_weight=tf.cast(condition, tf.float32)
-            )
+            self.task_metrics.update(gramian=gramian, sample_weight=tf.cast(condition, tf.float32))
         if self.epochs is not None:
             finite = tf.reduce_all(tf.math.is_finite(step["losses"]))
             self.epochs.add(tf.where(finite, step["losses"], 0.0) * tf.cast(finite, tf.float32))
@@ -303,16 +302,32 @@ class TaskEngine(MultiGradientState):
     def context(self, model, losses):
         """The `StepContext` for this model's current step."""
         return StepContext(
-            len(self.task_names), losses=losses, state=self.state,
-            step=model.optimizer.iterations, seed=self.seed, epochs=self.epochs,
+            len(self.task_names),
+            losses=losses,
+            state=self.state,
+            step=model.optimizer.iterations,
+            seed=self.seed,
+            epochs=self.epochs,
         )
 
 
 class _Pass:
     """The backward part of one pass, by kind (see the module docstring)."""
 
-    def __init__(self, engine, model, tape, variables, shared, values, combined,
-                 targets, scale, multiplier, n):
+    def __init__(
+        self,
+        engine,
+        model,
+        tape,
+        variables,
+        shared,
+        values,
+        combined,
+        targets,
+        scale,
+        multiplier,
+        n,
+    ):
         self.engine = engine
         self.model = model
         self.tape = tape
@@ -365,7 +380,8 @@ class _Pass:
         parts = self._parts(shared)
         if self.rest is not None:  # the rest of the loss: its ordinary gradient
             shared_grads = [
-                g * self.multiplier for g in self.tape.gradient(
+                g * self.multiplier
+                for g in self.tape.gradient(
                     self.rest, shared, unconnected_gradients=tf.UnconnectedGradients.ZERO
                 )
             ]
@@ -425,4 +441,3 @@ class _Pass:
                 f"{layer.name!r} in the forward pass. Received: representation={layer.name!r}"
             )
         return [outputs]
-

@@ -36,8 +36,10 @@ class EpochLosses:
     def __init__(self, num_tasks):
         def variable(name, shape):
             return keras.Variable(
-                np.zeros(shape, "float32"), trainable=False,
-                name=f"task_epoch_{name}", aggregation="only_first_replica",
+                np.zeros(shape, "float32"),
+                trainable=False,
+                name=f"task_epoch_{name}",
+                aggregation="only_first_replica",
             )
 
         self.current = variable("current", [num_tasks])

@@ -70,7 +70,9 @@ class FAMO(TaskBalancing):
     needs_global_losses = True
 
     def __init__(
-        self, learning_rate: float = 0.025, weight_decay: float = 1e-3,
+        self,
+        learning_rate: float = 0.025,
+        weight_decay: float = 1e-3,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(tasks=tasks)
@@ -113,8 +115,12 @@ class FAMO(TaskBalancing):
         grad = z * (delta - tf.reduce_sum(z * delta))
         apply = tf.logical_and(finite, tf.convert_to_tensor(state["has_previous"]) > 0.0)
         learned.adam_step(
-            state, "logits", tf.where(apply, grad, 0.0), self.learning_rate,
-            weight_decay=self.weight_decay, apply=apply,
+            state,
+            "logits",
+            tf.where(apply, grad, 0.0),
+            self.learning_rate,
+            weight_decay=self.weight_decay,
+            apply=apply,
         )
         # An absent task keeps its last present loss as its "previous" one.
         keep_new = tf.logical_and(finite, present_tasks(current))
@@ -129,6 +135,7 @@ class FAMO(TaskBalancing):
 
     def get_config(self) -> dict[str, Any]:
         return {
-            **super().get_config(), "learning_rate": self.learning_rate,
+            **super().get_config(),
+            "learning_rate": self.learning_rate,
             "weight_decay": self.weight_decay,
         }

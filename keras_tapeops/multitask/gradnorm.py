@@ -56,7 +56,10 @@ class GradNorm(TaskBalancing):
     needs_epochs = True
 
     def __init__(
-        self, alpha: float = 1.5, learning_rate: float = 0.01, shared: Selector = None,
+        self,
+        alpha: float = 1.5,
+        learning_rate: float = 0.01,
+        shared: Selector = None,
         tasks: Sequence[str] | None = None,
     ) -> None:
         super().__init__(shared=shared, tasks=tasks)

@@ -20,8 +20,17 @@ def adam_state(name, size):
     }
 
 
-def adam_step(state, name, grad, learning_rate, weight_decay=0.0,
-              beta_1=0.9, beta_2=0.999, epsilon=1e-8, apply=True):
+def adam_step(
+    state,
+    name,
+    grad,
+    learning_rate,
+    weight_decay=0.0,
+    beta_1=0.9,
+    beta_2=0.999,
+    epsilon=1e-8,
+    apply=True,
+):
     """One Adam step of `state[name]` along `grad` (skipped where `apply` is False).
 
     Args:

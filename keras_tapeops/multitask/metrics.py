@@ -46,8 +46,9 @@ class TaskMetrics(keras.metrics.Metric):
     ```
     """
 
-    def __init__(self, task_names, model, weights=True, gradients=True, epochs=None,
-                 name="task_balancing"):
+    def __init__(
+        self, task_names, model, weights=True, gradients=True, epochs=None, name="task_balancing"
+    ):
         super().__init__(name=name)
         self.task_names = list(task_names)
         self.pairs = gram.pairs(len(self.task_names))

@@ -191,9 +191,14 @@ class LossWeighting(TaskBalancing):
         )
 
     def bind(self, model: keras.Model, tree: LayerTree) -> TaskEngine:
-        require_override(self, "LossWeighting", "pass_weights(context)",
-                         LossWeighting.pass_weights,
-                         "returns the [K] multipliers of the task losses", "task_balancing")
+        require_override(
+            self,
+            "LossWeighting",
+            "pass_weights(context)",
+            LossWeighting.pass_weights,
+            "returns the [K] multipliers of the task losses",
+            "task_balancing",
+        )
         return super().bind(model, tree)
 
 

@@ -27,8 +27,7 @@ def validate_tasks(tasks):
         return None
     if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)):
         raise TypeError(
-            "`tasks` must be None or a list of output names. "
-            f"Received: tasks={tasks!r}"
+            f"`tasks` must be None or a list of output names. Received: tasks={tasks!r}"
         )
     if len(tasks) < 2 or not all(isinstance(t, str) and t for t in tasks):
         raise ValueError(

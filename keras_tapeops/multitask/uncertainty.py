@@ -53,7 +53,9 @@ class UncertaintyWeighting(TaskBalancing):
     takes_shared = False
 
     def __init__(
-        self, tasks: Sequence[str] | None = None, learning_rate: float = 0.01,
+        self,
+        tasks: Sequence[str] | None = None,
+        learning_rate: float = 0.01,
         initial_log_variance: float = -0.5,
     ) -> None:
         super().__init__(tasks=tasks)
@@ -81,12 +83,16 @@ class UncertaintyWeighting(TaskBalancing):
         present = tf.not_equal(context.losses, 0.0)
         grad = tf.where(present, grad, 0.0)
         learned.adam_step(
-            context.state, "log_variance", tf.where(finite, grad, 0.0),
-            self.learning_rate, apply=tf.logical_and(finite, tf.reduce_any(present)),
+            context.state,
+            "log_variance",
+            tf.where(finite, grad, 0.0),
+            self.learning_rate,
+            apply=tf.logical_and(finite, tf.reduce_any(present)),
         )
 
     def get_config(self) -> dict[str, Any]:
         return {
-            **super().get_config(), "learning_rate": self.learning_rate,
+            **super().get_config(),
+            "learning_rate": self.learning_rate,
             "initial_log_variance": self.initial_log_variance,
         }

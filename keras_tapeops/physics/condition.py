@@ -70,8 +70,11 @@ class ConditionLoss(PointsTerm):
     points_argument = "points"
 
     def __init__(
-        self, points: Sampler | Array, values: float | Array | Callable[[tf.Tensor], tf.Tensor],
-        weight: Weight = 1.0, name: str = "condition",
+        self,
+        points: Sampler | Array,
+        values: float | Array | Callable[[tf.Tensor], tf.Tensor],
+        weight: Weight = 1.0,
+        name: str = "condition",
         in_validation: bool = False,
     ) -> None:
         super().__init__(points, weight=weight, name=name, in_validation=in_validation)

@@ -38,8 +38,13 @@ from keras_tapeops.typing_aliases import Nested
 
 
 def lbfgs(
-    model: keras.Model, x: Nested, y: Nested = None, sample_weight: Nested = None,
-    iterations: int = 1000, history_size: int = 50, tolerance: float = 1e-9,
+    model: keras.Model,
+    x: Nested,
+    y: Nested = None,
+    sample_weight: Nested = None,
+    iterations: int = 1000,
+    history_size: int = 50,
+    tolerance: float = 1e-9,
     callback: Callable[[int, float], Any] | None = None,
 ) -> dict[str, Any]:
     """Minimizes the model's training objective by L-BFGS, from its current weights.
@@ -176,8 +181,7 @@ def _objective(model, x, y, sample_weight):
         with tf.GradientTape() as tape:
             loss, _ = model.compute_total_loss(x, y, sample_weight, training=True)
         grads = tape.gradient(loss, variables)
-        grads = [tf.zeros(s) if g is None else tf.cast(g, "float32")
-                 for g, s in zip(grads, shapes)]
+        grads = [tf.zeros(s) if g is None else tf.cast(g, "float32") for g, s in zip(grads, shapes)]
         return tf.cast(loss, "float32"), tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
 
     function = tf.function(value_and_gradient, jit_compile=bool(model.jit_compile))
@@ -189,7 +193,7 @@ def _assign(variables, flat):
     offset = 0
     for variable in variables:
         size = int(np.prod(variable.shape))
-        variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
+        variable.assign(flat[offset : offset + size].reshape(variable.shape).astype(variable.dtype))
         offset += size
 
 

@@ -45,7 +45,10 @@ class PointsTerm(Term):
     points_argument = "points"
 
     def __init__(
-        self, sampler: Sampler | Any, weight: Weight = 1.0, name: str | None = None,
+        self,
+        sampler: Sampler | Any,
+        weight: Weight = 1.0,
+        name: str | None = None,
         in_validation: bool = False,
     ) -> None:
         super().__init__(weight=weight, name=name, in_validation=in_validation)
@@ -77,9 +80,7 @@ class PointsTerm(Term):
                 )
         return None
 
-    def step_points(
-        self, context: TermContext
-    ) -> tuple[tf.Tensor, tf.Tensor | None, int]:
+    def step_points(self, context: TermContext) -> tuple[tf.Tensor, tf.Tensor | None, int]:
         """This replica's points at the current step, their indices and `R`.
 
         Returns:
@@ -126,9 +127,7 @@ class PointsTerm(Term):
             per_point = 1
             for size in part.shape[1:]:
                 per_point *= int(size)
-            total.append(
-                replicas.shared_mean(tf.square(part), self.sampler.n * per_point, count)
-            )
+            total.append(replicas.shared_mean(tf.square(part), self.sampler.n * per_point, count))
         return tf.add_n(total)
 
     def get_config(self) -> dict[str, Any]:

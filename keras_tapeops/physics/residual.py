@@ -95,10 +95,16 @@ class PDEResidual(PointsTerm):
     points_argument = "collocation"
 
     def __init__(
-        self, residual_fn: Callable[..., Any], collocation: Sampler | Array, order: int = 2,
-        mode: str = "auto", mixed: Sequence[tuple[int, int]] | None = None,
-        diagonal: Sequence[int] | None = None, weight: Weight = 1.0,
-        name: str = "pde_residual", in_validation: bool = False,
+        self,
+        residual_fn: Callable[..., Any],
+        collocation: Sampler | Array,
+        order: int = 2,
+        mode: str = "auto",
+        mixed: Sequence[tuple[int, int]] | None = None,
+        diagonal: Sequence[int] | None = None,
+        weight: Weight = 1.0,
+        name: str = "pde_residual",
+        in_validation: bool = False,
     ) -> None:
         if not callable(residual_fn):
             raise TypeError(
@@ -119,23 +125,29 @@ class PDEResidual(PointsTerm):
         """The mean squared residual at this step's points (float32 scalar)."""
         points, _, count = self.step_points(context)
         derivatives = input_derivatives(
-            self.model_fn(context), points, order=self.order, mode=self.mode,
-            mixed=self.mixed, diagonal=self.diagonal,
+            self.model_fn(context),
+            points,
+            order=self.order,
+            mode=self.mode,
+            mixed=self.mixed,
+            diagonal=self.diagonal,
         )
         residual = self.residual_fn(points, *derivatives)
         return self.mean_square(residual, count)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update({
-            "residual_fn": selectors.serialize_callable(
-                self.residual_fn, "residual_fn", owner=f"PDEResidual {self.name!r}"
-            ),
-            "order": self.order,
-            "mode": self.mode,
-            "mixed": self.mixed,
-            "diagonal": self.diagonal,
-        })
+        config.update(
+            {
+                "residual_fn": selectors.serialize_callable(
+                    self.residual_fn, "residual_fn", owner=f"PDEResidual {self.name!r}"
+                ),
+                "order": self.order,
+                "mode": self.mode,
+                "mixed": self.mixed,
+                "diagonal": self.diagonal,
+            }
+        )
         return config
 
     @classmethod

@@ -81,7 +81,11 @@ class BoxSampler(Sampler):
     """
 
     def __init__(
-        self, low: Sequence[float], high: Sequence[float], n: int, seed: int | None = 0,
+        self,
+        low: Sequence[float],
+        high: Sequence[float],
+        n: int,
+        seed: int | None = 0,
         resample_every: int = 1,
     ) -> None:
         self.low = _corner(low, "low")
@@ -128,8 +132,11 @@ class BoxSampler(Sampler):
 
     def get_config(self) -> dict[str, Any]:
         return {
-            "low": list(self.low), "high": list(self.high), "n": self.n,
-            "seed": self.seed, "resample_every": self.resample_every,
+            "low": list(self.low),
+            "high": list(self.high),
+            "n": self.n,
+            "seed": self.seed,
+            "resample_every": self.resample_every,
         }
 
 
@@ -210,8 +217,11 @@ def as_sampler(value, name):
     try:
         return FixedPoints(value)
     except (TypeError, ValueError) as error:
-        raise type(error)(str(error).replace("`points`", f"`{name}`").replace(
-            "Received: points", f"Received: {name}")) from error
+        raise type(error)(
+            str(error)
+            .replace("`points`", f"`{name}`")
+            .replace("Received: points", f"Received: {name}")
+        ) from error
 
 
 def _corner(value, name):
@@ -222,19 +232,12 @@ def _corner(value, name):
             f"`{name}` must be a non-empty list of numbers (one per coordinate). "
             f"Received: {name}={value!r}"
         )
-    return tuple(
-        validation.finite_number(v, f"{name}[{i}]")
-        for i, v in enumerate(value)
-    )
+    return tuple(validation.finite_number(v, f"{name}[{i}]") for i, v in enumerate(value))
 
 
 def _seed(seed):
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(
-            f"`seed` must be a non-negative integer. Received: seed={seed!r}"
-        )
+        raise TypeError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
     if not 0 <= seed < 2**63:
-        raise ValueError(
-            f"`seed` must be a non-negative integer. Received: seed={seed!r}"
-        )
+        raise ValueError(f"`seed` must be a non-negative integer. Received: seed={seed!r}")
     return int(seed)

@@ -32,6 +32,12 @@ from keras_tapeops.privacy.rules import Part
 from keras_tapeops.privacy.rules import register_clipping_rule
 
 __all__ = [
-    "ClippingRule", "Context", "Part", "epsilon", "noise_multiplier_for",
-    "per_example_part", "poisson_batches", "register_clipping_rule",
+    "ClippingRule",
+    "Context",
+    "Part",
+    "epsilon",
+    "noise_multiplier_for",
+    "per_example_part",
+    "poisson_batches",
+    "register_clipping_rule",
 ]

@@ -66,7 +66,10 @@ def make_accountant(accountant):
 
 
 def epsilon(
-    steps: int, sampling_rate: float, noise_multiplier: float, delta: float = 1e-5,
+    steps: int,
+    sampling_rate: float,
+    noise_multiplier: float,
+    delta: float = 1e-5,
     accountant: str = "pld",
 ) -> float:
     """The epsilon of a DP-SGD run at `delta`, from `dp-accounting`.
@@ -105,7 +108,10 @@ def epsilon(
 
 
 def noise_multiplier_for(
-    target_epsilon: float, steps: int, sampling_rate: float, delta: float = 1e-5,
+    target_epsilon: float,
+    steps: int,
+    sampling_rate: float,
+    delta: float = 1e-5,
     accountant: str = "pld",
 ) -> float:
     """The smallest noise multiplier whose run stays within `target_epsilon`.
@@ -141,7 +147,10 @@ def noise_multiplier_for(
             dp.calibrate_dp_mechanism(
                 lambda: make_accountant(kind),
                 lambda sigma: dp_event(steps, sampling_rate, sigma),
-                target_epsilon, delta, bracket, tol=1e-3,
+                target_epsilon,
+                delta,
+                bracket,
+                tol=1e-3,
             )
         )
 

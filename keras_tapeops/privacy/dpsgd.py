@@ -86,20 +86,19 @@ class DPSGD(MultiGradientOption):
     option_name = "differential_privacy"
 
     def __init__(
-        self, l2_norm_clip: float, noise_multiplier: float, seed: int | None = None,
+        self,
+        l2_norm_clip: float,
+        noise_multiplier: float,
+        seed: int | None = None,
         method: str = "auto",
     ) -> None:
         self.l2_norm_clip = validation.positive_number(l2_norm_clip, "l2_norm_clip")
-        self.noise_multiplier = validation.non_negative_number(
-            noise_multiplier, "noise_multiplier"
-        )
+        self.noise_multiplier = validation.non_negative_number(noise_multiplier, "noise_multiplier")
         self.seed = noise.check_seed(seed)
         self.method = validation.choice(method, "method", METHODS)
 
     def bind(self, model: keras.Model, tree: LayerTree) -> DPSGDState:
-        mixing = [
-            path for path, layer in tree.entries if sites.mixes_examples(layer)
-        ]
+        mixing = [path for path, layer in tree.entries if sites.mixes_examples(layer)]
         if mixing:
             raise ValueError(
                 "DPSGD cannot train layers that mix the examples of a batch: "
@@ -122,4 +121,3 @@ class DPSGD(MultiGradientOption):
             "seed": self.seed,
             "method": self.method,
         }
-

@@ -78,14 +78,18 @@ class DPSGDState(MultiGradientState):
         # Samples (rows) added since the last applied step, per replica; not
         # saved with the model (it is zero between steps).
         self.samples = tf.Variable(
-            0.0, trainable=False, name="dp_samples",
+            0.0,
+            trainable=False,
+            name="dp_samples",
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.SUM,
         )
         # The sample count of the last applied step (equal on every replica),
         # read by kt.callbacks.PrivacyBudget to infer the sampling rate.
         self.step_samples = tf.Variable(
-            0.0, trainable=False, name="dp_step_samples",
+            0.0,
+            trainable=False,
+            name="dp_step_samples",
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
@@ -136,8 +140,7 @@ class DPSGDState(MultiGradientState):
             )
         if y is None:
             raise ValueError(
-                "DPSGD needs targets to compute one loss per example. "
-                "Received: y=None"
+                "DPSGD needs targets to compute one loss per example. Received: y=None"
             )
         if sample_weight is not None:
             self.saw_mask = True
@@ -196,8 +199,10 @@ class DPSGDState(MultiGradientState):
             # a NaN row would otherwise reach other rows through backward
             # passes over the whole batch (the vectorized Jacobian: a^T (0 g)).
             finite_data = tf.reduce_all(
-                tf.stack([_finite_rows(t) for t in _floating(tf.nest.flatten((x, y)))]
-                         or [tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)]),
+                tf.stack(
+                    [_finite_rows(t) for t in _floating(tf.nest.flatten((x, y)))]
+                    or [tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)]
+                ),
                 axis=0,
             )
             x, y = tf.nest.map_structure(_finite_or_zero, (x, y))
@@ -242,7 +247,7 @@ class DPSGDState(MultiGradientState):
             records = recorder.invocations[id(site.layer)]
             grads = []
             for record in records:
-                grads.append(flat_grads[position:position + len(record["z"])])
+                grads.append(flat_grads[position : position + len(record["z"])])
                 position += len(record["z"])
             if sanitize:
                 finite_rows.extend(
@@ -388,7 +393,8 @@ def _zeroes_nonfinite(optimizer):
 def _floating(tensors):
     """The dense or ragged floating-point tensors among `tensors`."""
     return [
-        t for t in tensors
+        t
+        for t in tensors
         if (tf.is_tensor(t) or isinstance(t, tf.RaggedTensor)) and t.dtype.is_floating
     ]
 

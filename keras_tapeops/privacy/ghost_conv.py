@@ -50,9 +50,7 @@ class ConvRule:
         a = tf.concat([_patches(layer, r["a"]) for r in records], axis=1)
         g = tf.concat([_positions(layer, gz[0], filters) for gz in grads], axis=1)
         parts = {
-            id(kernel): matmul_parts(
-                a, g, context.scale, lambda m: tf.reshape(m, kernel.shape)
-            )
+            id(kernel): matmul_parts(a, g, context.scale, lambda m: tf.reshape(m, kernel.shape))
         }
         if layer.bias is not None:
             parts[id(layer.bias)] = per_example_part(
@@ -96,4 +94,3 @@ def _positions(layer, grad, filters):
     g = _channels_last(layer, float32(grad))
     positions = static_product(g.shape[1:-1])
     return tf.reshape(g, [tf.shape(g)[0], positions if positions else -1, filters])
-

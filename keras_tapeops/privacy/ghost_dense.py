@@ -60,9 +60,7 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
         # The per-example gradients exist: the clipped sum weights them
         # (no second pass over the positions).
         rows = per_example_part(tf.einsum("btp,bto->bpo", a, g), scale, [p, o])
-        return Part(
-            rows.squared_norms, lambda c: kernel_from_matrix(rows.weighted(c)), rows.method
-        )
+        return Part(rows.squared_norms, lambda c: kernel_from_matrix(rows.weighted(c)), rows.method)
     squared = squared / (scale * scale)
 
     def weighted(c):
@@ -74,7 +72,9 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
 
 
 def per_example_part(
-    rows: tf.Tensor, scale: tf.Tensor | float, shape: Sequence[int] | tf.TensorShape,
+    rows: tf.Tensor,
+    scale: tf.Tensor | float,
+    shape: Sequence[int] | tf.TensorShape,
     method: str = "per-example",
 ) -> Part:
     """A `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled)."""
@@ -129,8 +129,7 @@ class EinsumDenseRule:
     @staticmethod
     def applies(layer):
         return (
-            stock_call(layer, keras.layers.EinsumDense)
-            and layout(layer.equation, None) is not None
+            stock_call(layer, keras.layers.EinsumDense) and layout(layer.equation, None) is not None
         )
 
     forward = staticmethod(pre_activation_forward)
@@ -174,8 +173,8 @@ class EinsumDenseRule:
 def _flatten_groups(tensor, n_kept, n_features):
     """`[B, kept..., features...]` -> `[B, prod(kept), prod(features)]` (static where known)."""
     shape = tensor.shape
-    kept = static_product(shape[1:1 + n_kept])
-    features = static_product(shape[1 + n_kept:1 + n_kept + n_features])
+    kept = static_product(shape[1 : 1 + n_kept])
+    features = static_product(shape[1 + n_kept : 1 + n_kept + n_features])
     return tf.reshape(tensor, [tf.shape(tensor)[0], kept if kept is not None else -1, features])
 
 

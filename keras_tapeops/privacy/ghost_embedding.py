@@ -40,9 +40,7 @@ class EmbeddingRule:
     def clip(site, records, grads, context):
         table = site.layer.embeddings
         dim = table.shape[-1]
-        ids = tf.concat(
-            [_flat_positions(tf.cast(r["a"], tf.int64), 0) for r in records], axis=1
-        )
+        ids = tf.concat([_flat_positions(tf.cast(r["a"], tf.int64), 0) for r in records], axis=1)
         g = tf.concat([_flat_positions(float32(gz[0]), dim) for gz in grads], axis=1)
         positions = ids.shape[1]
         if positions == 1:

@@ -75,6 +75,4 @@ def gaussian(shape, key, step, index, stddev):
     # (docs/privacy.md, "Composes with"). Within one mode, runs are reproducible.
     key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64), alg="philox")
     key = tf.random.experimental.stateless_fold_in(key, index, alg="philox")
-    return tf.random.stateless_normal(
-        shape, key, stddev=stddev, dtype=tf.float32, alg="philox"
-    )
+    return tf.random.stateless_normal(shape, key, stddev=stddev, dtype=tf.float32, alg="philox")

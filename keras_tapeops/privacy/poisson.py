@@ -59,15 +59,16 @@ def truncation_probability(dataset_size, sampling_rate, max_batch_size):
     if q >= 1:
         return 1.0
     k = np.arange(m + 1, n + 1)
-    log_pmf = (
-        _log_choose(n, k) + k * math.log(q) + (n - k) * math.log1p(-q)
-    )
+    log_pmf = _log_choose(n, k) + k * math.log(q) + (n - k) * math.log1p(-q)
     return float(np.exp(log_pmf).sum())
 
 
 def poisson_batches(
-    dataset: tf.data.Dataset | tuple[Any, Any], sampling_rate: float, seed: int | None = None,
-    max_batch_size: int | None = None, steps: int | None = None,
+    dataset: tf.data.Dataset | tuple[Any, Any],
+    sampling_rate: float,
+    seed: int | None = None,
+    max_batch_size: int | None = None,
+    steps: int | None = None,
     model: keras.Model | None = None,
 ) -> tf.data.Dataset:
     """Poisson-sampled, padded batches `(x, y, mask)` for `fit` with `kt.DPSGD`.
@@ -209,13 +210,16 @@ def _in_memory(dataset):
 
 def _check_lengths(x, y):
     """Raises ValueError unless every array of x and y has the same number of examples."""
+
     def lengths(structure):
-        return sorted({
-            None if t.shape.rank == 0 else int(t.shape[0]) for t in tf.nest.flatten(structure)
-        }, key=str)
+        return sorted(
+            {None if t.shape.rank == 0 else int(t.shape[0]) for t in tf.nest.flatten(structure)},
+            key=str,
+        )
 
     x_lengths, y_lengths = lengths(x), lengths(y)
     if len(x_lengths) != 1 or x_lengths != y_lengths or x_lengths[0] is None:
+
         def describe(found):
             return " or ".join("no example axis" if v is None else str(v) for v in found)
 

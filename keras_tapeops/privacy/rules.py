@@ -137,7 +137,9 @@ class ClippingRule:
 
     @staticmethod
     def forward(
-        layer: keras.layers.Layer, original_call: Callable[..., Any], args: Sequence[Any],
+        layer: keras.layers.Layer,
+        original_call: Callable[..., Any],
+        args: Sequence[Any],
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Any]]:
         """Runs the layer; returns `(outputs, record)`.
@@ -150,7 +152,9 @@ class ClippingRule:
 
     @staticmethod
     def clip(
-        site: Site, records: Sequence[dict[str, Any]], grads: Sequence[Sequence[tf.Tensor]],
+        site: Site,
+        records: Sequence[dict[str, Any]],
+        grads: Sequence[Sequence[tf.Tensor]],
         context: Context,
     ) -> dict[int, Part]:
         """Returns `{id(variable): Part}` for the site's variables.
@@ -205,8 +209,9 @@ def register_clipping_rule(rule: _Rule) -> _Rule:
     kt.privacy.register_clipping_rule(DoubledRule)   # tried before the built-in rules
     ```
     """
-    missing = [name for name in ("applies", "forward", "clip")
-               if not callable(getattr(rule, name, None))]
+    missing = [
+        name for name in ("applies", "forward", "clip") if not callable(getattr(rule, name, None))
+    ]
     if missing or not isinstance(getattr(rule, "family", None), str):
         raise TypeError(
             "register_clipping_rule() takes a kt.privacy.ClippingRule subclass "
@@ -243,9 +248,7 @@ def output_forward(layer, original, args, kwargs):
 def stock_call(layer, base):
     """True if `layer` is a `base` running `base`'s own `call` (not overridden), without LoRA."""
     return (
-        isinstance(layer, base)
-        and type(layer).call is base.call
-        and not _lora_or_quantized(layer)
+        isinstance(layer, base) and type(layer).call is base.call and not _lora_or_quantized(layer)
     )
 
 

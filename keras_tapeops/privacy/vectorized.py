@@ -33,7 +33,8 @@ class VectorizedRule:
     def forward(layer, original, args, kwargs):
         outputs = original(*args, **kwargs)
         watched = [
-            t for t in tf.nest.flatten(outputs)
+            t
+            for t in tf.nest.flatten(outputs)
             if t is not None and tf.is_tensor(t) and t.dtype.is_floating
         ]
         return outputs, {"z": watched}
@@ -49,7 +50,11 @@ class VectorizedRule:
                     terms.append(tf.reduce_sum(tf.reshape(product, [tf.shape(z)[0], -1]), 1))
             objectives = tf.add_n(terms)
         return rows_parts(
-            tape, objectives, site.variables, context.scale, "vectorized",
+            tape,
+            objectives,
+            site.variables,
+            context.scale,
+            "vectorized",
             sanitize=context.sanitize,
         )
 
@@ -76,8 +81,7 @@ def rows_parts(tape, objectives, variables, scale, method, sanitize=False):
     start = 0
     for variable in variables:
         size = variable.shape.num_elements()
-        block = matrix[:, start:start + size]
+        block = matrix[:, start : start + size]
         start += size
         parts[id(variable)] = per_example_part(block, scale, variable.shape, method)
     return parts
-

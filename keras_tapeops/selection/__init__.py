@@ -17,6 +17,12 @@ from keras_tapeops.selection.super_loss import SuperLoss
 from keras_tapeops.selection.top_loss import TopLoss
 
 __all__ = [
-    "ImportanceSampling", "ReducibleLoss", "SelectionContext", "SelectionRule", "SelectiveBackprop",
-    "SelfPaced", "SuperLoss", "TopLoss",
+    "ImportanceSampling",
+    "ReducibleLoss",
+    "SelectionContext",
+    "SelectionRule",
+    "SelectiveBackprop",
+    "SelfPaced",
+    "SuperLoss",
+    "TopLoss",
 ]

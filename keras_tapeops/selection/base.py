@@ -60,8 +60,7 @@ _REASONS = {
         "selecting examples by their total loss first is not defined"
     ),
     "sharpness_aware": (
-        "SAM's second gradient would be taken on a batch selected at other "
-        "weights"
+        "SAM's second gradient would be taken on a batch selected at other weights"
     ),
 }
 
@@ -103,7 +102,9 @@ class SelectionState(MultiGradientState):
         self.schedule_variable = None
         if value is not None:
             self.schedule_variable = tf.Variable(
-                float(value), dtype="float32", trainable=False,
+                float(value),
+                dtype="float32",
+                trainable=False,
                 name=f"selection_{value_name}",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
@@ -151,8 +152,9 @@ class SelectionState(MultiGradientState):
             kept_losses = tf.gather(losses, indices)
         if weights is not None:
             kept_w = weights if kept_w is None else _times(kept_w, weights)
-        self._log(n, tf.shape(kept_losses)[0], losses, kept_losses,
-                  weights if indices is None else None)
+        self._log(
+            n, tf.shape(kept_losses)[0], losses, kept_losses, weights if indices is None else None
+        )
         grads, _ = model.single_pass_gradients(kept_x, kept_y, kept_w, loss_multiplier)
         return grads, y_pred
 
@@ -194,7 +196,12 @@ class SelectionContext:
     """
 
     def __init__(
-        self, model: keras.Model, x: Nested, y: Nested, sample_weight: Nested, y_pred: Nested,
+        self,
+        model: keras.Model,
+        x: Nested,
+        y: Nested,
+        sample_weight: Nested,
+        y_pred: Nested,
         step: tf.Tensor,
     ) -> None:
         self.model = model
@@ -262,9 +269,14 @@ class SelectionRule(SelectionOption):
         )
 
     def bind(self, model: keras.Model, tree: LayerTree) -> SelectionRuleState:
-        require_override(self, "SelectionRule", "select(losses, context)",
-                         SelectionRule.select,
-                         "returns one weight per example (0 leaves it out)", "sample_selection")
+        require_override(
+            self,
+            "SelectionRule",
+            "select(losses, context)",
+            SelectionRule.select,
+            "returns one weight per example (0 leaves it out)",
+            "sample_selection",
+        )
         return SelectionRuleState(self)
 
 
@@ -292,8 +304,10 @@ class SelectionRuleState(SelectionState):
                 f"{name}.select(losses, context) must return a [batch] tensor of "
                 f"per-example weights (rank 1). Received: shape={weights.shape}"
             )
-        if weights.shape[0] is not None and losses.shape[0] is not None and (
-            weights.shape[0] != losses.shape[0]
+        if (
+            weights.shape[0] is not None
+            and losses.shape[0] is not None
+            and (weights.shape[0] != losses.shape[0])
         ):
             raise ValueError(
                 f"{name}.select(losses, context) must return one weight per "
@@ -311,10 +325,12 @@ def _mean_or_zero(values):
 
 def _times(sample_weight, weights):
     """Sample weights (a tensor or a structure per output) times `[k]` weights."""
+
     def one(w):
         if w is None:
             return None
         w = tf.cast(w, "float32")
         extra = w.shape.rank - 1 if w.shape.rank is not None else 0
         return w * tf.reshape(weights, [-1] + [1] * max(extra, 0))
+
     return tf.nest.map_structure(one, sample_weight)

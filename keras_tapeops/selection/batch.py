@@ -12,9 +12,7 @@ def gather(structure, indices):
     """`structure` with every tensor restricted to rows `indices` (None kept)."""
     if structure is None:
         return None
-    return tf.nest.map_structure(
-        lambda t: None if t is None else tf.gather(t, indices), structure
-    )
+    return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, indices), structure)
 
 
 def kept_count(fraction, n):

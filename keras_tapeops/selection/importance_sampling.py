@@ -62,7 +62,10 @@ class ImportanceSampling(SelectionOption):
     """
 
     def __init__(
-        self, fraction: float = 0.25, score: str = "loss", smoothing: float = 0.1,
+        self,
+        fraction: float = 0.25,
+        score: str = "loss",
+        smoothing: float = 0.1,
         seed: int | None = None,
     ) -> None:
         self.fraction = fraction_argument(fraction)
@@ -76,8 +79,12 @@ class ImportanceSampling(SelectionOption):
         return ImportanceSamplingState(self)
 
     def get_config(self) -> dict[str, Any]:
-        return {"fraction": self.fraction, "score": self.score,
-                "smoothing": self.smoothing, "seed": self.seed}
+        return {
+            "fraction": self.fraction,
+            "score": self.score,
+            "smoothing": self.smoothing,
+            "seed": self.seed,
+        }
 
 
 class ImportanceSamplingState(SelectionState):
@@ -100,8 +107,10 @@ class ImportanceSamplingState(SelectionState):
         # infer its size for an empty batch).
         squares = [
             tf.reduce_sum(tf.square(tf.cast(g, "float32")), axis=list(range(1, g.shape.rank)))
-            if g.shape.rank > 1 else tf.square(tf.cast(g, "float32"))
-            for g in grads if g is not None
+            if g.shape.rank > 1
+            else tf.square(tf.cast(g, "float32"))
+            for g in grads
+            if g is not None
         ]
         return tf.sqrt(tf.add_n(squares))
 

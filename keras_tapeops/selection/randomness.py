@@ -29,7 +29,10 @@ class StepSeeds:
             seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype="int64"))
         self.seed = int(seed)
         self.counter = tf.Variable(
-            0, dtype="int64", trainable=False, name="selection_seed_counter",
+            0,
+            dtype="int64",
+            trainable=False,
+            name="selection_seed_counter",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
 

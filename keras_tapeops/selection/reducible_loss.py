@@ -77,7 +77,9 @@ class ReducibleLoss(SelectionOption):
     """
 
     def __init__(
-        self, irreducible: Array | Sequence[float] | keras.Model, fraction: float = 0.1,
+        self,
+        irreducible: Array | Sequence[float] | keras.Model,
+        fraction: float = 0.1,
         id_key: str = ID_KEY,
     ) -> None:
         self.fraction = fraction_argument(fraction)
@@ -190,8 +192,11 @@ class ReducibleLossState(TopLossState):
         valid = tf.logical_and(ids >= 0, ids < size)
         check = tf.debugging.Assert(
             tf.reduce_all(valid),
-            [f"kt.ReducibleLoss: every {key} must index the irreducible table, in [0, {size}). "
-             f"Received: {key}=", tf.boolean_mask(ids, tf.logical_not(valid))],
+            [
+                f"kt.ReducibleLoss: every {key} must index the irreducible table, in [0, {size}). "
+                f"Received: {key}=",
+                tf.boolean_mask(ids, tf.logical_not(valid)),
+            ],
             summarize=20,
         )
         with tf.control_dependencies([check]):

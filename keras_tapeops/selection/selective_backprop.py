@@ -52,7 +52,10 @@ class SelectiveBackprop(SelectionOption):
     """
 
     def __init__(
-        self, beta: float = 1.0, history_size: int = 1024, fraction: float | None = None,
+        self,
+        beta: float = 1.0,
+        history_size: int = 1024,
+        fraction: float | None = None,
         seed: int | None = None,
     ) -> None:
         self.beta = validation.positive_number(beta, "beta")
@@ -68,8 +71,12 @@ class SelectiveBackprop(SelectionOption):
         return SelectiveBackpropState(self)
 
     def get_config(self) -> dict[str, Any]:
-        return {"beta": self.beta, "history_size": self.history_size,
-                "fraction": self.fraction, "seed": self.seed}
+        return {
+            "beta": self.beta,
+            "history_size": self.history_size,
+            "fraction": self.fraction,
+            "seed": self.seed,
+        }
 
 
 class SelectiveBackpropState(SelectionState):
@@ -81,11 +88,16 @@ class SelectiveBackpropState(SelectionState):
         self.seeds = StepSeeds(option.seed)
         first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
         self.history = tf.Variable(
-            tf.zeros([option.history_size]), trainable=False,
-            name="selection_loss_history", aggregation=first_replica,
+            tf.zeros([option.history_size]),
+            trainable=False,
+            name="selection_loss_history",
+            aggregation=first_replica,
         )
         self.seen = tf.Variable(
-            0, dtype="int64", trainable=False, name="selection_losses_seen",
+            0,
+            dtype="int64",
+            trainable=False,
+            name="selection_losses_seen",
             aggregation=first_replica,
         )
         self.variables += [self.history, self.seen, self.seeds.counter]
@@ -104,9 +116,7 @@ class SelectiveBackpropState(SelectionState):
         seen = self.seen.read_value()
         # Finite losses take consecutive ring slots; the others go to a spare
         # slot past the end, dropped below.
-        slots = tf.where(
-            finite, tf.math.floormod(seen + tf.cumsum(written) - 1, size), size
-        )
+        slots = tf.where(finite, tf.math.floormod(seen + tf.cumsum(written) - 1, size), size)
         padded = tf.concat([self.history.read_value(), tf.zeros([1])], axis=0)
         history = tf.tensor_scatter_nd_update(
             padded, slots[:, None], tf.where(finite, losses, 0.0)

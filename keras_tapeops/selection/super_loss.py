@@ -96,8 +96,9 @@ class SuperLossState(SelectionState):
         self.tau = tf.Variable(
             0.0, trainable=False, name="superloss_tau", aggregation=first_replica
         )
-        self.started = tf.Variable(False, trainable=False, name="superloss_started",
-                                   aggregation=first_replica)
+        self.started = tf.Variable(
+            False, trainable=False, name="superloss_started", aggregation=first_replica
+        )
         self.variables += [self.tau, self.started]
 
     def current_tau(self, losses):
@@ -105,9 +106,7 @@ class SuperLossState(SelectionState):
             return tf.constant(self.option.tau, "float32")
         # An empty batch (no losses) leaves the running mean as it is.
         present = tf.shape(losses)[0] > 0
-        mean = tf.math.divide_no_nan(
-            tf.reduce_sum(losses), tf.cast(tf.shape(losses)[0], "float32")
-        )
+        mean = tf.math.divide_no_nan(tf.reduce_sum(losses), tf.cast(tf.shape(losses)[0], "float32"))
         m = self.option.momentum
         tau = tf.where(self.started, m * self.tau + (1.0 - m) * mean, mean)
         tau = tf.where(present, tau, self.tau)

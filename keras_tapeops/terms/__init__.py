@@ -9,6 +9,11 @@ from keras_tapeops.terms.custom import LossTerm
 from keras_tapeops.terms.penalty import GradientPenalty
 
 __all__ = [
-    "ActivationPenalty", "AdversarialLoss", "GradientPenalty", "LossTerm",
-    "TRADES", "Term", "TermContext",
+    "ActivationPenalty",
+    "AdversarialLoss",
+    "GradientPenalty",
+    "LossTerm",
+    "TRADES",
+    "Term",
+    "TermContext",
 ]

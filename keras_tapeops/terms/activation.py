@@ -59,12 +59,16 @@ class ActivationPenalty(Term):
     """
 
     def __init__(
-        self, layer: str | keras.layers.Layer, l1: float = 0.0, l2: float = 0.0,
-        name: str | None = None, in_validation: bool = True, weight: Weight = 1.0,
+        self,
+        layer: str | keras.layers.Layer,
+        l1: float = 0.0,
+        l2: float = 0.0,
+        name: str | None = None,
+        in_validation: bool = True,
+        weight: Weight = 1.0,
     ) -> None:
         if not (
-            isinstance(layer, keras.layers.Layer)
-            or isinstance(layer, str) and layer.strip("/")
+            isinstance(layer, keras.layers.Layer) or isinstance(layer, str) and layer.strip("/")
         ):
             raise TypeError(
                 "`layer` must be a layer name, a path such as "
@@ -73,17 +77,13 @@ class ActivationPenalty(Term):
         if isinstance(layer, str):
             layer = layer.strip("/")
         if isinstance(layer, str) and paths.is_glob(layer):
-            raise ValueError(
-                "`layer` must name one layer, not a glob. Received: "
-                f"layer={layer!r}"
-            )
+            raise ValueError(f"`layer` must name one layer, not a glob. Received: layer={layer!r}")
         self.layer = layer
         self.l1 = validation.non_negative_number(l1, "l1")
         self.l2 = validation.non_negative_number(l2, "l2")
         if self.l1 == 0 and self.l2 == 0:
             raise ValueError(
-                "ActivationPenalty needs a positive `l1` or `l2`. "
-                f"Received: l1={l1!r}, l2={l2!r}"
+                f"ActivationPenalty needs a positive `l1` or `l2`. Received: l1={l1!r}, l2={l2!r}"
             )
         if name is None:
             label = layer.name if isinstance(layer, keras.layers.Layer) else layer
@@ -104,7 +104,8 @@ class ActivationPenalty(Term):
             layer = self.layer
             received = (
                 f"<{type(layer).__name__} name={layer.name!r}>"
-                if isinstance(layer, keras.layers.Layer) else repr(layer)
+                if isinstance(layer, keras.layers.Layer)
+                else repr(layer)
             )
             raise ValueError(
                 f"ActivationPenalty {self.name!r}: {error}. Received: layer={received}"
@@ -115,10 +116,7 @@ class ActivationPenalty(Term):
 
     def call(self, context: TermContext) -> tf.Tensor:
         layer = context.state
-        outputs = [
-            t for t in context.activations(layer)
-            if tf.as_dtype(t.dtype).is_floating
-        ]
+        outputs = [t for t in context.activations(layer) if tf.as_dtype(t.dtype).is_floating]
         if not outputs:
             raise ValueError(
                 f"ActivationPenalty {self.name!r}: layer {layer.name!r} produced "

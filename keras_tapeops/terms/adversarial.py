@@ -44,7 +44,10 @@ class _AttackTerm(Term):
         # Micro-batch passes are traced in a loop body: no all-gather there.
         whole_batch = options is None or options.micro_batches == 1
         return self.attack.perturb(
-            model, context.x, objective, noise.step_counter(model),
+            model,
+            context.x,
+            objective,
+            noise.step_counter(model),
             gather_batch_sizes=whole_batch,
         )
 
@@ -99,7 +102,10 @@ class AdversarialLoss(_AttackTerm):
     """
 
     def __init__(
-        self, attack: Attack, weight: Weight = 1.0, name: str = "adversarial_loss",
+        self,
+        attack: Attack,
+        weight: Weight = 1.0,
+        name: str = "adversarial_loss",
         in_validation: bool = False,
     ) -> None:
         super().__init__(attack, weight, name, in_validation)
@@ -109,9 +115,7 @@ class AdversarialLoss(_AttackTerm):
         objective = objectives.loss_objective(model, self.attack.loss, context.y)
         x_adv = self._perturb(context, objective)
         y_adv = private.call_model(model, x_adv, context.training)
-        value = objectives.compiled_loss_value(
-            model, context.y, y_adv, context.sample_weight
-        )
+        value = objectives.compiled_loss_value(model, context.y, y_adv, context.sample_weight)
         # Keras's losses divide by the replicas; the step scales terms itself.
         return replicas.unscale_for_distribution(tf.cast(value, tf.float32))
 
@@ -153,7 +157,11 @@ class TRADES(_AttackTerm):
     """
 
     def __init__(
-        self, attack: Attack, beta: float = 6.0, from_logits: bool = True, name: str = "trades",
+        self,
+        attack: Attack,
+        beta: float = 6.0,
+        from_logits: bool = True,
+        name: str = "trades",
         in_validation: bool = False,
     ) -> None:
         check_attack(attack)

@@ -40,9 +40,16 @@ class TermContext:
     """
 
     def __init__(
-        self, model: keras.Model, x: Nested, y: Nested, y_pred: Nested, sample_weight: Nested,
-        training: bool, activations: dict[int, list[Any]],
-        input_tape: tf.GradientTape | None = None, watched_inputs: Any = None,
+        self,
+        model: keras.Model,
+        x: Nested,
+        y: Nested,
+        y_pred: Nested,
+        sample_weight: Nested,
+        training: bool,
+        activations: dict[int, list[Any]],
+        input_tape: tf.GradientTape | None = None,
+        watched_inputs: Any = None,
     ) -> None:
         self.model = model
         self.x = x
@@ -86,19 +93,14 @@ class TermContext:
         differentiable w.r.t. the weights (the outer tape records it).
         """
         if self._input_tape is None:
-            raise ValueError(
-                "input_gradients() needs a term with needs_input_gradients=True."
-            )
+            raise ValueError("input_gradients() needs a term with needs_input_gradients=True.")
         if target is None:
             target = tf.add_n(
-                [tf.reduce_sum(tf.cast(t, "float32"))
-                 for t in tf.nest.flatten(self.y_pred)]
+                [tf.reduce_sum(tf.cast(t, "float32")) for t in tf.nest.flatten(self.y_pred)]
             )
         flat = tf.nest.flatten(self.x)
         watched = self._watched_inputs
-        grads = self._input_tape.gradient(
-            target, [t for t, w in zip(flat, watched) if w]
-        )
+        grads = self._input_tape.gradient(target, [t for t, w in zip(flat, watched) if w])
         it = iter(grads)
         merged = [next(it) if w else None for w in watched]
         return tf.nest.pack_sequence_as(self.x, merged)
@@ -140,9 +142,7 @@ class Term(ConfigRepr):
         if name is None:
             name = _default_name(type(self).__name__)
         if not isinstance(name, str) or not name:
-            raise ValueError(
-                f"`name` must be a non-empty string. Received: name={name!r}"
-            )
+            raise ValueError(f"`name` must be a non-empty string. Received: name={name!r}")
         self.name = name
         self.in_validation = validation.boolean(in_validation, "in_validation")
 

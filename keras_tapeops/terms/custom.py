@@ -75,13 +75,16 @@ class LossTerm(Term):
     layers = None  # the layer paths whose outputs `fn` receives (see `layers=`)
 
     def __init__(
-        self, fn: Callable[..., Any], weight: Weight = 1.0, name: str | None = None,
-        in_validation: bool = True, layers: Sequence[str | keras.layers.Layer] | None = None,
+        self,
+        fn: Callable[..., Any],
+        weight: Weight = 1.0,
+        name: str | None = None,
+        in_validation: bool = True,
+        layers: Sequence[str | keras.layers.Layer] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(
-                "`fn` must be a callable fn(model, x, y, y_pred) -> scalar. "
-                f"Received: fn={fn!r}"
+                f"`fn` must be a callable fn(model, x, y, y_pred) -> scalar. Received: fn={fn!r}"
             )
         if layers is not None and (
             isinstance(layers, str)
@@ -143,9 +146,7 @@ class LossTerm(Term):
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config["fn"] = selectors.serialize_callable(
-            self.fn, "fn", owner=f"LossTerm {self.name!r}"
-        )
+        config["fn"] = selectors.serialize_callable(self.fn, "fn", owner=f"LossTerm {self.name!r}")
         if self.layers is not None:
             config["layers"] = list(self.layers)
         return config

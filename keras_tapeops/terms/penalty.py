@@ -51,7 +51,10 @@ class GradientPenalty(Term):
     needs_input_gradients = True
 
     def __init__(
-        self, weight: Weight = 1.0, target: float = 0.0, name: str = "gradient_penalty",
+        self,
+        weight: Weight = 1.0,
+        target: float = 0.0,
+        name: str = "gradient_penalty",
         in_validation: bool = False,
     ) -> None:
         super().__init__(weight=weight, name=name, in_validation=in_validation)
@@ -62,7 +65,8 @@ class GradientPenalty(Term):
         # The outputs themselves are the targets (the inner tape recorded
         # them); TF sums a list of targets.
         outputs = [
-            t for t in tf.nest.flatten(context.y_pred)
+            t
+            for t in tf.nest.flatten(context.y_pred)
             if t is not None and tf.as_dtype(t.dtype).is_floating
         ]
         grads = context.input_gradients(target=outputs)

@@ -27,9 +27,10 @@ from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import validation
+from keras_tapeops.transforms import sparse
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
@@ -83,9 +84,7 @@ class AdaptiveClip(GradientTransform):
     ```
     """
 
-    def __init__(
-        self, clipping: float = 0.01, eps: float = 1e-3, where: Selector = None
-    ) -> None:
+    def __init__(self, clipping: float = 0.01, eps: float = 1e-3, where: Selector = None) -> None:
         super().__init__(where=where)
         self.clipping = validation.positive_number(clipping, "clipping")
         self.eps = validation.positive_number(eps, "eps")
@@ -138,7 +137,7 @@ def unit_axes(rank):
     """The axes a unit's norm or mean runs over: all but the last, or all for rank <= 1."""
     if rank <= 1:
         return None
-    return list(range(rank - 1))
+    return tuple(range(rank - 1))
 
 
 def unit_norm(tensor):
@@ -150,10 +149,10 @@ def unit_norm(tensor):
     Returns:
         For rank >= 2, shape `(1, ..., 1, out)`; for rank <= 1, a scalar.
     """
-    tensor = tf.cast(tensor, "float32")
-    axes = unit_axes(tensor.shape.rank)
+    tensor = ops.cast(tensor, "float32")
+    axes = unit_axes(len(tensor.shape))
     keepdims = axes is not None
-    return tf.sqrt(tf.reduce_sum(tf.square(tensor), axis=axes, keepdims=keepdims))
+    return ops.sqrt(ops.sum(ops.square(tensor), axis=axes, keepdims=keepdims))
 
 
 def adaptive_clip(grad, variable, clipping, eps):
@@ -168,27 +167,27 @@ def adaptive_clip(grad, variable, clipping, eps):
     Returns:
         The clipped gradient, of the same kind and dtype as `grad`.
     """
-    weight_norm = unit_norm(tf.convert_to_tensor(variable))
-    max_norm = clipping * tf.maximum(weight_norm, eps)
-    if isinstance(grad, tf.IndexedSlices):
+    weight_norm = unit_norm(ops.convert_to_tensor(variable))
+    max_norm = clipping * ops.maximum(weight_norm, eps)
+    is_sparse = sparse.is_sparse(grad)
+    if is_sparse:
         dense = _summed_rows(grad, variable)[0]
     else:
-        grad = dense = tf.convert_to_tensor(grad)
+        grad = dense = ops.convert_to_tensor(grad)
     grad_norm = unit_norm(dense)
-    factor = tf.where(
+    factor = ops.where(
         grad_norm < max_norm,
-        tf.ones_like(grad_norm),
-        max_norm / tf.maximum(grad_norm, _MIN_GRAD_NORM),
+        ops.ones_like(grad_norm),
+        max_norm / ops.maximum(grad_norm, _MIN_GRAD_NORM),
     )
-    if isinstance(grad, tf.IndexedSlices):
+    if is_sparse:
         # The factor varies only along the last axis (or is a scalar): it
         # broadcasts against the value rows, and scaling is linear, so
         # repeated rows are fine.
-        if factor.shape.rank:
-            factor = tf.reshape(factor, [-1])
-        values = grad.values * tf.cast(factor, grad.values.dtype)
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+        if len(factor.shape):
+            factor = ops.reshape(factor, [-1])
+        return sparse.scale_values(grad, factor)
+    return grad * ops.cast(factor, grad.dtype)
 
 
 def centralize(grad, variable=None):
@@ -202,13 +201,13 @@ def centralize(grad, variable=None):
     Returns:
         The centralized gradient.
     """
-    if isinstance(grad, tf.IndexedSlices):
-        if grad.values.shape.rank <= 1:
+    if sparse.is_sparse(grad):
+        if len(grad.values.shape) <= 1:
             return grad
-        grad = tf.cast(_summed_rows(grad, variable)[0], grad.values.dtype)
-    grad = tf.convert_to_tensor(grad)
-    rank = grad.shape.rank
+        grad = ops.cast(_summed_rows(grad, variable)[0], grad.values.dtype)
+    grad = ops.convert_to_tensor(grad)
+    rank = len(grad.shape)
     if rank <= 1:
         return grad
-    mean = tf.reduce_mean(tf.cast(grad, "float32"), axis=unit_axes(rank), keepdims=True)
-    return grad - tf.cast(mean, grad.dtype)
+    mean = ops.mean(ops.cast(grad, "float32"), axis=unit_axes(rank), keepdims=True)
+    return grad - ops.cast(mean, grad.dtype)

@@ -36,16 +36,19 @@ Three optional parts make a transform stateful or observable (the built-in
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Sequence
 from typing import TypeVar
 
 import keras
-import tensorflow as tf
 
 from keras_tapeops import selectors
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.paths import LayerTree
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class TransformState:
@@ -89,7 +92,10 @@ class TransformState:
             A `keras.Variable`.
         """
         variable = keras.Variable(
-            initial_value, dtype=dtype, trainable=False, name=name,
+            initial_value,
+            dtype=dtype,
+            trainable=False,
+            name=name,
             aggregation="only_first_replica",
         )
         self.variables[name] = variable
@@ -174,7 +180,9 @@ class GradientTransform(ConfigRepr):
         )
 
     def __call__(
-        self, grads: Sequence[Any], variables: Sequence[keras.Variable],
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[keras.Variable],
         state: TransformState | None = None,
     ) -> list[Any]:
         """Applies the transform. Without `state`, only `where=None` works (all selected)."""

@@ -17,9 +17,10 @@ from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import validation
+from keras_tapeops.transforms import sparse
 
 from keras_tapeops.registration import register
 from keras_tapeops.selectors import Selector
@@ -94,7 +95,7 @@ class ClipByNorm(GradientTransform):
         out = []
         for g, v, on in zip(grads, variables, selected):
             if on and g is not None:
-                factor = _clip_factor(tf.sqrt(squared_norm(g, v)), self.clip_norm)
+                factor = _clip_factor(ops.sqrt(squared_norm(g, v)), self.clip_norm)
                 g = scale(g, factor)
             out.append(g)
         return out
@@ -140,17 +141,14 @@ class ClipByGlobalNorm(GradientTransform):
         ]
         if not group:
             return list(grads)
-        factor = _clip_factor(tf.sqrt(tf.add_n(group)), self.clip_norm)
-        return [
-            scale(g, factor) if on and g is not None else g
-            for g, on in zip(grads, selected)
-        ]
+        factor = _clip_factor(ops.sqrt(_add_n(group)), self.clip_norm)
+        return [scale(g, factor) if on and g is not None else g for g, on in zip(grads, selected)]
 
     def get_config(self) -> dict[str, Any]:
         return {"clip_norm": self.clip_norm, **super().get_config()}
 
 
-def squared_norm(grad: Any, variable: Any = None) -> tf.Tensor:
+def squared_norm(grad: Any, variable: Any = None) -> Any:
     """Sum of squares of `grad` as float32; repeated sparse rows are summed first.
 
     Args:
@@ -161,21 +159,17 @@ def squared_norm(grad: Any, variable: Any = None) -> tf.Tensor:
     Returns:
         A float32 scalar.
     """
-    if isinstance(grad, tf.IndexedSlices):
+    if sparse.is_sparse(grad):
         grad = _summed_rows(grad, variable)[0]
-    grad = tf.cast(grad, "float32")
-    return tf.reduce_sum(tf.square(grad))
+    grad = ops.cast(grad, "float32")
+    return ops.sum(ops.square(grad))
 
 
 def scale(grad: Any, factor: Any) -> Any:
     """Multiplies `grad` (tensor or IndexedSlices) by the float32 scalar `factor`."""
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            grad.values * tf.cast(factor, grad.values.dtype),
-            grad.indices,
-            grad.dense_shape,
-        )
-    return grad * tf.cast(factor, grad.dtype)
+    if sparse.is_sparse(grad):
+        return sparse.scale_values(grad, factor)
+    return grad * ops.cast(factor, grad.dtype)
 
 
 def clip_by_value(grad: Any, clip_value: float, variable: Any = None) -> Any:
@@ -189,32 +183,25 @@ def clip_by_value(grad: Any, clip_value: float, variable: Any = None) -> Any:
     Returns:
         The clipped gradient, of the same kind as `grad`.
     """
-    if not isinstance(grad, tf.IndexedSlices):
-        return tf.clip_by_value(grad, -clip_value, clip_value)
-    summed, counts = _summed_rows(grad, variable)
-    clipped = tf.clip_by_value(summed, -clip_value, clip_value)
-    # Each occurrence of a row gets clipped_row / count: the occurrences sum
-    # back to exactly the clipped row when the optimizer scatters them.
-    per_row = clipped / tf.maximum(counts, 1.0)
-    values = tf.cast(tf.gather(per_row, grad.indices), grad.values.dtype)
-    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    if sparse.is_sparse(grad):
+        return sparse.clip_by_value(grad, clip_value, variable)
+    return ops.clip(grad, -clip_value, clip_value)
 
 
 def _summed_rows(grad, variable):
     """Dense float32 rows of an IndexedSlices (repeats summed) and row counts."""
-    if variable is not None and variable.shape[0] is not None:
-        rows = variable.shape[0]
-    else:
-        rows = tf.cast(grad.dense_shape[0], grad.indices.dtype)
-    values = tf.cast(grad.values, "float32")
-    summed = tf.math.unsorted_segment_sum(values, grad.indices, rows)
-    ones = tf.ones(tf.shape(grad.indices), "float32")
-    counts = tf.math.unsorted_segment_sum(ones, grad.indices, rows)
-    counts = tf.reshape(counts, [-1] + [1] * (values.shape.rank - 1))
-    return summed, counts
+    return sparse.summed_rows(grad, variable)
+
+
+def _add_n(tensors):
+    """The sum of a non-empty list of float32 scalars, in list order."""
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
 
 
 def _clip_factor(norm, clip_norm):
     """`clip_norm / max(norm, clip_norm)`: 1 when under the bound."""
-    clip_norm = tf.constant(clip_norm, "float32")
-    return clip_norm / tf.maximum(norm, clip_norm)
+    clip_norm = ops.convert_to_tensor(clip_norm, "float32")
+    return clip_norm / ops.maximum(norm, clip_norm)

@@ -67,7 +67,9 @@ class SkipNonFinite(GradientTransform):
     """
 
     def __init__(
-        self, max_consecutive: int | None = None, where: Selector = None,
+        self,
+        max_consecutive: int | None = None,
+        where: Selector = None,
         name: str = "skipped_steps",
     ) -> None:
         super().__init__(where=where)

@@ -1,0 +1,177 @@
+"""The JAX backend's cases, run in a process of their own (tests/test_jax_backend.py).
+
+Run as `python tests/jax_cases.py OUT_DIR [INIT.npz]` with `KERAS_BACKEND=jax`
+and two host devices (`XLA_FLAGS=--xla_force_host_platform_device_count=2`).
+TensorFlow is made unimportable first: the JAX path must not need it. Each
+case writes its final weights and History to `OUT_DIR/<case>.npz`, and
+`OUT_DIR/report.json` holds the messages and facts the test checks. The
+initial weights come from the test (INIT.npz), so the TensorFlow side starts
+from the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class _NoTensorFlow:
+    """A meta-path finder that refuses `import tensorflow` in this process."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" or name.startswith("tensorflow."):
+            raise ImportError(f"TensorFlow is unimportable in the JAX cases ({name})")
+        return None
+
+
+sys.meta_path.insert(0, _NoTensorFlow())
+os.environ["KERAS_BACKEND"] = "jax"
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_tapeops as kt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jax_models import BATCH, EPOCHS, LR, data, make_mlp, transforms  # noqa: E402
+
+
+def fit(model, x, y, **kwargs):
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs)
+    return history.history
+
+
+def save_case(out, name, model, history):
+    arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    arrays.update({f"h_{k}": np.asarray(v) for k, v in history.items()})
+    np.savez(out / f"{name}.npz", **arrays)
+
+
+def compiled(model, jit_compile=True, **options):
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=jit_compile, **options
+    )
+    return model
+
+
+def hand_written_clip_loop(init, x, y):
+    """The seed-style JAX loop: `jax.grad`, clip per selection, SGD apply (jitted)."""
+    model = make_mlp(init)
+    loss_fn = keras.losses.MeanSquaredError()
+    layers = [v.path.split("/")[-2] for v in model.trainable_variables]  # body1, ..., head
+
+    def loss_of(trainable, non_trainable, xb, yb):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, xb)
+        return loss_fn(yb, y_pred)
+
+    @jax.jit
+    def step(trainable, non_trainable, xb, yb):
+        grads = jax.grad(loss_of)(trainable, non_trainable, xb, yb)
+        out = []
+        body = [g for g, name in zip(grads, layers) if name.startswith("body")]
+        global_norm = jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in body))
+        for g, name in zip(grads, layers):
+            if name == "head":  # ClipByNorm(0.05, where="head")
+                g = g * 0.05 / jax.numpy.maximum(jax.numpy.linalg.norm(g.ravel()), 0.05)
+            if name.startswith("body"):  # ClipByGlobalNorm(0.5, where="body*")
+                g = g * 0.5 / jax.numpy.maximum(global_norm, 0.5)
+            if name == "body2":  # ClipByValue(0.01, where="body2")
+                g = jax.numpy.clip(g, -0.01, 0.01)
+            out.append(g)
+        return [w - LR * g for w, g in zip(trainable, out)]
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), BATCH):
+            trainable = step(trainable, non_trainable, x[start : start + BATCH], y[start : start + BATCH])
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    return model
+
+
+def main():
+    out = Path(sys.argv[1])
+    init = list(np.load(sys.argv[2]).values())
+    x, y = data()
+    report = {"devices": len(jax.devices()), "backend": keras.backend.backend()}
+
+    # Parity: no options is the stock JAX step (weights and History).
+    stock = compiled(make_mlp(init, upgrade=False))
+    save_case(out, "stock", stock, fit(stock, x, y))
+    plain = compiled(kt.upgrade(make_mlp(init, upgrade=False)))
+    save_case(out, "no_options", plain, fit(plain, x, y))
+
+    # Three clip groups: fit, not jitted, steps_per_execution=2, and the hand loop.
+    for name, kwargs in [
+        ("clip", {}),
+        ("clip_eager", {"jit_compile": False}),
+    ]:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt), **kwargs)
+        save_case(out, name, model, fit(model, x, y))
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2,
+        gradient_transforms=transforms(kt),
+    )
+    save_case(out, "clip_spe2", model, fit(model, x, y))
+    save_case(out, "clip_hand", hand_written_clip_loop(init, x, y), {})
+
+    # A mixed-precision run: the transforms see unscaled gradients.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
+        save_case(out, "clip_mixed", model, fit(model, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+    # DataParallel across the two host devices equals one device.
+    devices = jax.devices()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
+        save_case(out, "clip_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+
+    # Saving on JAX (the TF side loads it) and loading TF's file.
+    model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
+    fit(model, x, y)
+    model.save(out / "from_jax.keras")
+    tf_file = out / "from_tf.keras"
+    if tf_file.exists():
+        loaded = keras.saving.load_model(tf_file)
+        report["loaded_options"] = [repr(t) for t in loaded.tapeops_options.gradient_transforms]
+        save_case(out, "tf_file_continued", loaded, fit(loaded, x, y))
+
+    # Refusals: each option the JAX step lacks, named with the backend.
+    refusals = {}
+    for option, value in [
+        ("micro_batches", 2), ("accumulation_steps", 4), ("loss_terms", ["a term"]),
+        ("sharpness_aware", "a SAM"), ("differential_privacy", "a DPSGD"),
+        ("task_balancing", "a PCGrad"), ("sample_selection", "a TopLoss"),
+        ("adversarial_training", "an attack"),
+    ]:
+        before = [w.copy() for w in plain.get_weights()]
+        try:
+            plain.compile(optimizer="sgd", loss="mse", **{option: value})
+            refusals[option] = None
+        except ValueError as error:
+            refusals[option] = str(error)
+        report.setdefault("weights_kept", []).append(
+            all(np.array_equal(a, b) for a, b in zip(before, plain.get_weights()))
+        )
+    report["refusals"] = refusals
+    try:
+        kt.DPSGD  # noqa: B018
+    except AttributeError as error:
+        report["missing_name"] = str(error)
+    report["tensorflow_imported"] = "tensorflow" in sys.modules
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The JAX backend (issue 32, first part): the step, the gradient transforms, refusals.
+
+The JAX side runs in its own process (tests/jax_cases.py, KERAS_BACKEND=jax,
+two host devices, TensorFlow unimportable); this process is the TensorFlow
+side. Both start from the same NumPy weights and see the same batches
+(tests/jax_models.py). Oracles: stock JAX `fit` (no options), a hand-written
+jitted JAX loop (`jax.grad`, clip, SGD), the same options on TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tapeops as kt
+from jax_models import BATCH, EPOCHS, LR, data, initial_weights, make_mlp, transforms
+
+pytest.importorskip("jax")
+
+HERE = Path(__file__).parent
+
+
+def _tf_fit(model, x, y):
+    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+
+
+def _tf_clip_model(init):
+    model = make_mlp(init)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=transforms(kt))
+    return model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs the TensorFlow side here and the JAX cases in their own process."""
+    out = tmp_path_factory.mktemp("jax")
+    init = initial_weights()
+    np.savez(out / "init.npz", *init)
+    x, y = data()
+    tf_runs = {}
+    model = _tf_clip_model(init)
+    history = _tf_fit(model, x, y)
+    tf_runs["clip"] = (model.get_weights(), history)
+    model.save(out / "from_tf.keras")
+    continued = keras.saving.load_model(out / "from_tf.keras")
+    _tf_fit(continued, x, y)
+    tf_runs["tf_file_continued"] = (continued.get_weights(), None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _tf_clip_model(init)
+        _tf_fit(model, x, y)
+        tf_runs["clip_mixed"] = (model.get_weights(), None)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(HERE.parent))
+    done = subprocess.run(
+        [sys.executable, str(HERE / "jax_cases.py"), str(out), str(out / "init.npz")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return out, tf_runs
+
+
+def _jax(out, name):
+    stored = np.load(out / f"{name}.npz")
+    weights = [stored[f"w{i}"] for i in range(sum(k.startswith("w") for k in stored))]
+    history = {k[2:]: stored[k] for k in stored if k.startswith("h_")}
+    return weights, history
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+def test_jax_path_runs_without_tensorflow_on_two_devices(runs):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    assert report["backend"] == "jax" and report["devices"] == 2
+    assert report["tensorflow_imported"] is False
+
+
+def test_no_options_equals_stock_jax_fit_weights_and_history(runs):
+    out, _ = runs
+    stock, stock_history = _jax(out, "stock")
+    plain, plain_history = _jax(out, "no_options")
+    assert _max_diff(stock, plain) <= 1e-6
+    np.testing.assert_allclose(plain_history["loss"], stock_history["loss"], rtol=1e-6)
+
+
+def test_three_clip_groups_equal_the_hand_written_jax_loop(runs):
+    out, _ = runs
+    clipped, _ = _jax(out, "clip")
+    hand, _ = _jax(out, "clip_hand")
+    assert _max_diff(clipped, hand) <= 1e-6
+
+
+def test_the_oracle_check_can_fail(runs):
+    # Without the transforms the weights are far from the clipped loop's.
+    out, _ = runs
+    plain, _ = _jax(out, "no_options")
+    hand, _ = _jax(out, "clip_hand")
+    assert _max_diff(plain, hand) > 1e-3
+
+
+def test_jax_clips_equal_the_same_options_on_tensorflow(runs):
+    out, tf_runs = runs
+    clipped, history = _jax(out, "clip")
+    tf_weights, tf_history = tf_runs["clip"]
+    assert _max_diff(clipped, tf_weights) <= 1e-5
+    np.testing.assert_allclose(history["loss"], tf_history["loss"], rtol=1e-5)
+
+
+def test_eager_and_steps_per_execution_equal_the_jitted_step(runs):
+    out, _ = runs
+    clipped, _ = _jax(out, "clip")
+    assert _max_diff(_jax(out, "clip_eager")[0], clipped) <= 1e-6
+    assert _max_diff(_jax(out, "clip_spe2")[0], clipped) <= 1e-6
+
+
+def test_data_parallel_on_two_devices_equals_one_device(runs):
+    out, _ = runs
+    clipped, _ = _jax(out, "clip")
+    assert _max_diff(_jax(out, "clip_data_parallel")[0], clipped) <= 1e-5
+
+
+def test_mixed_precision_transforms_see_unscaled_gradients(runs):
+    # Scaled gradients (x 32768) would be clipped far harder than TF's.
+    out, tf_runs = runs
+    mixed, _ = _jax(out, "clip_mixed")
+    assert _max_diff(mixed, tf_runs["clip_mixed"][0]) <= 5e-3
+
+
+def test_saving_crosses_backends(runs):
+    out, tf_runs = runs
+    # A file saved on JAX loads here with its options and weights.
+    loaded = keras.saving.load_model(out / "from_jax.keras")
+    assert [repr(t) for t in loaded.tapeops_options.gradient_transforms] == [
+        repr(t) for t in transforms(kt)
+    ]
+    assert _max_diff(loaded.get_weights(), _jax(out, "clip")[0]) <= 1e-6
+    # TF's file, loaded on JAX and trained on, equals TF training on from it.
+    report = json.loads((out / "report.json").read_text())
+    assert report["loaded_options"] == [repr(t) for t in transforms(kt)]
+    continued, _ = _jax(out, "tf_file_continued")
+    assert _max_diff(continued, tf_runs["tf_file_continued"][0]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["micro_batches", "accumulation_steps", "loss_terms", "sharpness_aware",
+     "differential_privacy", "task_balancing", "sample_selection", "adversarial_training"],
+)
+def test_options_jax_lacks_are_refused_by_name(runs, option):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    message = report["refusals"][option]
+    assert message is not None, option
+    assert message.startswith(f"`{option}` is not available on the JAX backend yet")
+    assert "Received: " + option in message
+    assert all(report["weights_kept"])
+    assert "kt.DPSGD is not available on the jax backend" in report["missing_name"]
