@@ -100,7 +100,7 @@ CAPABILITIES = (
     "upgrade.md", "transforms.md", "terms.md", "penalties.md", "gan.md", "accumulation.md",
     "observability.md", "groups.md", "sam.md", "second_order.md", "multi_task.md",
     "privacy.md", "selection.md", "adversarial.md", "attribution.md", "meta_learning.md",
-    "physics_informed.md", "distributed.md",
+    "physics_informed.md", "distributed.md", "backends.md",
 )
 AFTER = (
     "recipes.md", "from_keras_io.md", "extending.md", "faults.md", "api/", "versioning.md",
