@@ -147,6 +147,49 @@ def main():
         report["loaded_options"] = [repr(t) for t in loaded.tapeops_options.gradient_transforms]
         save_case(out, "tf_file_continued", loaded, fit(loaded, x, y))
 
+    # A subclassed model (mixin first) and a transform_gradients override.
+    class Net(kt.TapeOpsMixin, keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.body1 = keras.layers.Dense(16, activation="tanh", name="body1")
+            self.body2 = keras.layers.Dense(16, activation="tanh", name="body2")
+            self.head = keras.layers.Dense(1, name="head")
+
+        def call(self, inputs):
+            return self.head(self.body2(self.body1(inputs)))
+
+    net = Net()
+    net(x[:1])
+    net.set_weights(init)
+    save_case(out, "clip_subclassed", compiled(net, gradient_transforms=transforms(kt)),
+              fit(net, x, y))
+
+    class Halved(kt.TapeOpsSequential):
+        def transform_gradients(self, grads, variables):
+            return [g * 0.5 for g in super().transform_gradients(grads, variables)]
+
+    halved = Halved(make_mlp(init, upgrade=False).layers)
+    halved.build((None, 8))
+    halved.set_weights(init)
+    save_case(out, "halved_hook", compiled(halved), fit(halved, x, y))
+    stock_half = make_mlp(init, upgrade=False)
+    stock_half.compile(optimizer=keras.optimizers.SGD(LR / 2), loss="mse")
+    save_case(out, "half_learning_rate", stock_half, fit(stock_half, x, y))
+
+    # A transform with a step gate (training state) is refused on JAX.
+    class Gate(kt.GradientTransform):
+        def transform(self, grads, variables, state):
+            return list(grads)
+
+        def keep_step(self, grads, variables, state):
+            return None
+
+    try:
+        plain.compile(optimizer="sgd", loss="mse", gradient_transforms=[Gate()])
+        report["gate_refusal"] = None
+    except ValueError as error:
+        report["gate_refusal"] = str(error)
+
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}
     for option, value in [

@@ -125,6 +125,23 @@ def test_eager_and_steps_per_execution_equal_the_jitted_step(runs):
     assert _max_diff(_jax(out, "clip_spe2")[0], clipped) <= 1e-6
 
 
+def test_subclassed_model_and_transform_gradients_override(runs):
+    out, _ = runs
+    clipped, _ = _jax(out, "clip")
+    assert _max_diff(_jax(out, "clip_subclassed")[0], clipped) <= 1e-6
+    # Halving every gradient in the hook is SGD at half the learning rate.
+    halved, _ = _jax(out, "halved_hook")
+    assert _max_diff(halved, _jax(out, "half_learning_rate")[0]) <= 1e-6
+
+
+def test_a_transform_with_a_step_gate_is_refused(runs):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    assert report["gate_refusal"].startswith(
+        "`gradient_transforms` with Gate is not available on the JAX backend yet"
+    )
+
+
 def test_data_parallel_on_two_devices_equals_one_device(runs):
     out, _ = runs
     clipped, _ = _jax(out, "clip")
