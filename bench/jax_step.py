@@ -7,6 +7,12 @@ backbone_2 -> head, SGD) and the same data:
   - three clip groups (`ClipByNorm(1.0, where="head")`,
     `ClipByGlobalNorm(5.0, where="backbone_1")`,
     `ClipByValue(0.5, where="backbone_2")`): target <= 1.05x.
+Then `micro_batches` on JAX: the compiled step's temporary memory (XLA's
+memory analysis of the jitted `train_step`: buffers other than its arguments
+and outputs) at batch 512 and 1024 split in micro-batches of 64, against
+stock `fit` on the whole batch and on one micro-batch of 64 (target: near one
+micro-batch; the micro step also holds one gradient-sized sum, which stock
+SGD fuses into its update), and its time per epoch against stock.
 Then the JAX step against the TensorFlow step: the same models (the MLP and a
 small CNN) with the three clip groups, timed on each backend (TensorFlow in a
 child process: one process holds one backend); printed as JAX time / TF
@@ -78,12 +84,62 @@ def compiled(make, upgrade, transforms=None):
     return model
 
 
-def epoch_function(model, x, y):
+def epoch_function(model, x, y, batch=BATCH):
     def run():
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
 
     run()  # traces and compiles
     return run
+
+
+def step_temp_mib(batch, micro_batches=1, upgrade=True):
+    """XLA's temporary memory of the jitted train_step at `batch` (MiB)."""
+    import jax
+
+    keras.utils.set_random_seed(0)
+    model = make_mlp()
+    if upgrade:
+        model = kt.upgrade(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS, micro_batches=micro_batches)
+    else:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+    x, y = np.zeros((batch, FEATURES), "float32"), np.zeros((batch,), "int32")
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds every variable
+    state = tuple(
+        [v.value for v in variables]
+        for variables in (model.trainable_variables, model.non_trainable_variables,
+                          model.optimizer.variables, model.metrics_variables)
+    )
+    compiled_step = jax.jit(model.train_step).lower(state, (x, y)).compile()
+    return compiled_step.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def micro_batch_report():
+    """Step memory and epoch time of micro_batches on JAX, micro-batches of 64."""
+    one = step_temp_mib(64, upgrade=False)
+    gradient = sum(int(np.prod(w.shape)) for w in make_mlp().get_weights()) * 4 / 2**20
+    print(f"micro_batches on JAX: step temporary memory (stock, one micro-batch of 64: {one:.2f} MiB; "
+          f"one gradient: {gradient:.2f} MiB)")
+    for batch in (512, 1024):
+        stock = step_temp_mib(batch, upgrade=False)
+        micro = step_temp_mib(batch, micro_batches=batch // 64)
+        print(f"batch {batch:5d}: stock {stock:6.2f} MiB   micro_batches={batch // 64:<3d} "
+              f"{micro:5.2f} MiB   ({(micro - one) / (stock - one):.1%} of the gap to one micro-batch)")
+    x, y = data("mlp")
+    candidates = {
+        "stock JAX fit, batch 512": epoch_function(compiled(make_mlp, False), x, y, batch=512),
+        "kt, micro_batches=8": epoch_function(
+            _micro_model(8), x, y, batch=512),
+    }
+    common.report(common.interleaved(candidates, ROUNDS), "stock JAX fit, batch 512",
+                  "stock JAX fit, batch 512")
+
+
+def _micro_model(micro_batches):
+    keras.utils.set_random_seed(0)
+    model = kt.upgrade(make_mlp())
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS, micro_batches=micro_batches)
+    return model
 
 
 def backend_times(rounds):
@@ -110,6 +166,7 @@ def main():
     print(f"JAX backend, MLP {FEATURES}-256-256-{CLASSES}, {N // BATCH} steps of batch {BATCH}, "
           f"{ROUNDS} interleaved rounds (targets: no options <= 1.02x, 3 groups <= 1.05x)")
     common.report(common.interleaved(candidates, ROUNDS), "stock JAX fit", "stock JAX fit")
+    micro_batch_report()
 
     jax_times = backend_times(ROUNDS // 2 + 1)
     child = subprocess.run(

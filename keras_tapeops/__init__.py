@@ -28,6 +28,8 @@ def _installed_version():
 
 # On every backend (the JAX step: keras_tapeops.backend.jax).
 from keras_tapeops import backend  # noqa: E402,F401  (kt.backend.name())
+from keras_tapeops.groups import optimizer_groups  # noqa: E402
+from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
@@ -51,8 +53,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.gan import R1Penalty  # noqa: E402
     from keras_tapeops.gan import WGANGP  # noqa: E402
     from keras_tapeops.gan import WGANGradientPenalty  # noqa: E402
-    from keras_tapeops.groups import optimizer_groups  # noqa: E402
-    from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
     from keras_tapeops.meta import MetaLearner  # noqa: E402
     from keras_tapeops.penalty import gradient_penalty  # noqa: E402
     from keras_tapeops.sam import SAM  # noqa: E402

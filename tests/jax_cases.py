@@ -36,7 +36,19 @@ import numpy as np  # noqa: E402
 import keras_tapeops as kt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jax_models import BATCH, EPOCHS, LR, data, make_mlp, transforms  # noqa: E402
+from jax_models import (  # noqa: E402
+    BATCH,
+    EPOCHS,
+    LR,
+    data,
+    decayed_optimizer,
+    grouped_optimizers,
+    make_batch_norm,
+    make_mlp,
+    make_regularized,
+    sample_weights,
+    transforms,
+)
 
 
 def fit(model, x, y, **kwargs):
@@ -87,7 +99,9 @@ def hand_written_clip_loop(init, x, y):
     non_trainable = [v.value for v in model.non_trainable_variables]
     for _ in range(EPOCHS):
         for start in range(0, len(x), BATCH):
-            trainable = step(trainable, non_trainable, x[start : start + BATCH], y[start : start + BATCH])
+            trainable = step(
+                trainable, non_trainable, x[start : start + BATCH], y[start : start + BATCH]
+            )
     for variable, value in zip(model.trainable_variables, trainable):
         variable.assign(value)
     return model
@@ -114,7 +128,9 @@ def main():
         save_case(out, name, model, fit(model, x, y))
     model = make_mlp(init)
     model.compile(
-        optimizer=keras.optimizers.SGD(LR), loss="mse", steps_per_execution=2,
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        steps_per_execution=2,
         gradient_transforms=transforms(kt),
     )
     save_case(out, "clip_spe2", model, fit(model, x, y))
@@ -125,6 +141,8 @@ def main():
     try:
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
         save_case(out, "clip_mixed", model, fit(model, x, y))
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3)
+        save_case(out, "micro3_clip_mixed", model, fit(model, x, y))
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -136,6 +154,61 @@ def main():
         save_case(out, "clip_data_parallel", model, fit(model, x, y))
     finally:
         keras.distribution.set_distribution(None)
+
+    # micro_batches: even (4 of 4) and uneven (16 = 5 + 5 + 6) splits, jitted
+    # and eager, on two devices; with the clip groups.
+    model = compiled(make_mlp(init), micro_batches=4)
+    save_case(out, "micro4", model, fit(model, x, y))
+    for name, kwargs in [("micro3_clip", {}), ("micro3_clip_eager", {"jit_compile": False})]:
+        model = compiled(
+            make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3, **kwargs
+        )
+        save_case(out, name, model, fit(model, x, y))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3)
+        save_case(out, "micro3_clip_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+
+    # Every reduction, with sample weights and both regularizer kinds: the
+    # micro-batch gradient is the whole batch's.
+    weights = sample_weights()
+    for reduction in ("sum", "sum_over_batch_size", "mean_with_sample_weight"):
+        for name, kwargs in [("whole", {}), ("micro", {"micro_batches": 3})]:
+            model = make_regularized(init)
+            model.compile(
+                optimizer=keras.optimizers.SGD(LR / 16),
+                loss=keras.losses.MeanSquaredError(reduction=reduction),
+                **kwargs,
+            )
+            save_case(out, f"{reduction}_{name}", model, fit(model, x, y, sample_weight=weights))
+
+    # BatchNormalization: one moving-statistics update per micro-batch (as
+    # TF's per_micro_batch); the TF-only large-batch merge is refused.
+    model = make_batch_norm(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        micro_batches=4,
+        batch_norm_updates="per_micro_batch",
+    )
+    save_case(out, "batch_norm_micro", model, fit(model, x, y))
+    try:
+        make_batch_norm(init).compile(optimizer="sgd", loss="mse", micro_batches=4)
+        report["batch_norm_refusal"] = None
+    except ValueError as error:
+        report["batch_norm_refusal"] = str(error)
+
+    # Optimizer groups and layer-wise decay (stock MultiOptimizer underneath).
+    model = make_mlp(init)
+    model.compile(
+        optimizer=grouped_optimizers(kt, model), loss="mse", gradient_transforms=transforms(kt)
+    )
+    save_case(out, "groups", model, fit(model, x, y))
+    model = make_mlp(init)
+    model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
+    save_case(out, "lr_decay_micro", model, fit(model, x, y))
 
     # Saving on JAX (the TF side loads it) and loading TF's file.
     model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
@@ -161,8 +234,9 @@ def main():
     net = Net()
     net(x[:1])
     net.set_weights(init)
-    save_case(out, "clip_subclassed", compiled(net, gradient_transforms=transforms(kt)),
-              fit(net, x, y))
+    save_case(
+        out, "clip_subclassed", compiled(net, gradient_transforms=transforms(kt)), fit(net, x, y)
+    )
 
     class Halved(kt.TapeOpsSequential):
         def transform_gradients(self, grads, variables):
@@ -193,9 +267,12 @@ def main():
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}
     for option, value in [
-        ("micro_batches", 2), ("accumulation_steps", 4), ("loss_terms", ["a term"]),
-        ("sharpness_aware", "a SAM"), ("differential_privacy", "a DPSGD"),
-        ("task_balancing", "a PCGrad"), ("sample_selection", "a TopLoss"),
+        ("accumulation_steps", 4),
+        ("loss_terms", ["a term"]),
+        ("sharpness_aware", "a SAM"),
+        ("differential_privacy", "a DPSGD"),
+        ("task_balancing", "a PCGrad"),
+        ("sample_selection", "a TopLoss"),
         ("adversarial_training", "an attack"),
     ]:
         before = [w.copy() for w in plain.get_weights()]

@@ -10,6 +10,7 @@ import tensorflow as tf
 import keras_tapeops as kt
 from keras_tapeops import accumulation
 from keras_tapeops.accumulation import splitting
+from keras_tapeops import split_sizes
 
 
 def dense_net(units=3, n_in=4):
@@ -36,6 +37,17 @@ def test_micro_batch_sizes_examples():
     assert accumulation.micro_batch_sizes(10, 4) == [2, 2, 3, 3]
     assert accumulation.micro_batch_sizes(64, 4) == [16] * 4
     assert accumulation.micro_batch_sizes(3, 8) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("n, k", [(10, 4), (64, 4), (3, 8), (16, 3), (1, 1)])
+def test_equal_size_groups_cover_the_sizes_in_order(n, k):
+    # The JAX micro-batch scan runs one lax.scan per group.
+    groups = split_sizes.equal_size_groups(n, k)
+    assert len(groups) <= 2
+    sizes = [size for _, count, size in groups for _ in range(count)]
+    assert sizes == accumulation.micro_batch_sizes(n, k)
+    assert [start for start, _, _ in groups] == [0, groups[0][1] * groups[0][2]][: len(groups)]
+    assert split_sizes.equal_size_groups(10, 4) == [(0, 2, 2), (4, 2, 3)]
 
 
 @pytest.mark.parametrize("pad_empty", [False, True])

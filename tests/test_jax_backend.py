@@ -20,7 +20,18 @@ import numpy as np
 import pytest
 
 import keras_tapeops as kt
-from jax_models import BATCH, EPOCHS, LR, data, initial_weights, make_mlp, transforms
+from jax_models import (
+    BATCH,
+    EPOCHS,
+    LR,
+    data,
+    decayed_optimizer,
+    grouped_optimizers,
+    initial_weights,
+    make_batch_norm,
+    make_mlp,
+    transforms,
+)
 
 pytest.importorskip("jax")
 
@@ -33,7 +44,9 @@ def _tf_fit(model, x, y):
 
 def _tf_clip_model(init):
     model = make_mlp(init)
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=transforms(kt))
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=transforms(kt)
+    )
     return model
 
 
@@ -57,13 +70,58 @@ def runs(tmp_path_factory):
         model = _tf_clip_model(init)
         _tf_fit(model, x, y)
         tf_runs["clip_mixed"] = (model.get_weights(), None)
+        model = make_mlp(init)
+        model.compile(
+            optimizer=keras.optimizers.SGD(LR),
+            loss="mse",
+            gradient_transforms=transforms(kt),
+            micro_batches=3,
+        )
+        _tf_fit(model, x, y)
+        tf_runs["micro3_clip_mixed"] = (model.get_weights(), None)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(HERE.parent))
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        gradient_transforms=transforms(kt),
+        micro_batches=3,
+    )
+    _tf_fit(model, x, y)
+    tf_runs["micro3_clip"] = (model.get_weights(), None)
+    model = make_batch_norm(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        micro_batches=4,
+        batch_norm_updates="per_micro_batch",
+    )
+    _tf_fit(model, x, y)
+    tf_runs["batch_norm_micro"] = (model.get_weights(), None)
+    model = make_mlp(init)
+    model.compile(
+        optimizer=grouped_optimizers(kt, model), loss="mse", gradient_transforms=transforms(kt)
+    )
+    _tf_fit(model, x, y)
+    tf_runs["groups"] = (model.get_weights(), None)
+    model = make_mlp(init)
+    model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
+    _tf_fit(model, x, y)
+    tf_runs["lr_decay_micro"] = (model.get_weights(), None)
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=str(HERE.parent),
+    )
     done = subprocess.run(
         [sys.executable, str(HERE / "jax_cases.py"), str(out), str(out / "init.npz")],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return out, tf_runs
@@ -153,6 +211,10 @@ def test_mixed_precision_transforms_see_unscaled_gradients(runs):
     out, tf_runs = runs
     mixed, _ = _jax(out, "clip_mixed")
     assert _max_diff(mixed, tf_runs["clip_mixed"][0]) <= 5e-3
+    # With micro-batches the float16 gradients overflow in fewer steps (one
+    # fewer skipped step here, on both backends): compare with TF's micro run.
+    micro = _jax(out, "micro3_clip_mixed")[0]
+    assert _max_diff(micro, tf_runs["micro3_clip_mixed"][0]) <= 5e-3
 
 
 def test_saving_crosses_backends(runs):
@@ -170,10 +232,65 @@ def test_saving_crosses_backends(runs):
     assert _max_diff(continued, tf_runs["tf_file_continued"][0]) <= 1e-5
 
 
+def test_micro_batches_equal_the_whole_batch(runs):
+    out, _ = runs
+    assert _max_diff(_jax(out, "micro4")[0], _jax(out, "stock")[0]) <= 1e-6
+    np.testing.assert_allclose(
+        _jax(out, "micro4")[1]["loss"], _jax(out, "stock")[1]["loss"], rtol=1e-6
+    )
+    clipped, _ = _jax(out, "clip")
+    for name in ("micro3_clip", "micro3_clip_eager", "micro3_clip_data_parallel"):
+        assert _max_diff(_jax(out, name)[0], clipped) <= 1e-6, name
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean_with_sample_weight"])
+def test_micro_batches_are_exact_for_every_reduction(runs, reduction):
+    # Sample weights, an L2 kernel regularizer and an L1 activity regularizer,
+    # micro-batches of 5, 5 and 6.
+    out, _ = runs
+    micro, micro_history = _jax(out, f"{reduction}_micro")
+    whole, whole_history = _jax(out, f"{reduction}_whole")
+    assert _max_diff(micro, whole) <= 1e-6
+    np.testing.assert_allclose(micro_history["loss"], whole_history["loss"], rtol=1e-6)
+    other = "sum_over_batch_size" if reduction == "sum" else "sum"
+    assert _max_diff(micro, _jax(out, f"{other}_whole")[0]) > 1e-4  # the check can fail
+
+
+def test_micro_batches_equal_tensorflow_with_clips_and_batch_norm(runs):
+    out, tf_runs = runs
+    for name in ("micro3_clip", "batch_norm_micro"):
+        assert _max_diff(_jax(out, name)[0], tf_runs[name][0]) <= 1e-5, name
+
+
+def test_batch_norm_large_batch_merge_is_refused_on_jax(runs):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    message = report["batch_norm_refusal"]
+    assert message.startswith(
+        "`micro_batches` with BatchNormalization layers needs "
+        "batch_norm_updates='per_micro_batch' on the JAX backend"
+    )
+    assert "['norm']" in message
+    assert "Received: micro_batches=4, batch_norm_updates='large_batch'" in message
+
+
+def test_optimizer_groups_and_layerwise_decay_equal_tensorflow(runs):
+    out, tf_runs = runs
+    for name in ("groups", "lr_decay_micro"):
+        assert _max_diff(_jax(out, name)[0], tf_runs[name][0]) <= 1e-5, name
+
+
 @pytest.mark.parametrize(
     "option",
-    ["micro_batches", "accumulation_steps", "loss_terms", "sharpness_aware",
-     "differential_privacy", "task_balancing", "sample_selection", "adversarial_training"],
+    [
+        "accumulation_steps",
+        "loss_terms",
+        "sharpness_aware",
+        "differential_privacy",
+        "task_balancing",
+        "sample_selection",
+        "adversarial_training",
+    ],
 )
 def test_options_jax_lacks_are_refused_by_name(runs, option):
     out, _ = runs

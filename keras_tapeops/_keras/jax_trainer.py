@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
+
 
 def update_metrics_variables(
     model: Any,
@@ -25,3 +27,64 @@ def update_metrics_variables(
     return model._update_metrics_variables(
         metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
     )
+
+
+def call_kwargs(model: Any, training: bool) -> dict[str, Any]:
+    """`{"training": training}` when the model's `call` takes it, else `{}`.
+
+    The stock JAX step reads the private `_call_has_training_arg` (set by
+    `Layer.__init__` from `call`'s signature) to decide; a forward pass of
+    our own must pass the same arguments. Checked on Keras 3.15.
+    """
+    return {"training": training} if model._call_has_training_arg else {}
+
+
+def compute_loss_and_updates(
+    model: Any,
+    forward: Any,
+    trainable: Any,
+    non_trainable: Any,
+    metrics_variables: Any,
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    optimizer_variables: Any,
+) -> tuple[Any, tuple[Any, Any, Any, Any]]:
+    """`JAXTrainer.compute_loss_and_updates` in training mode, with another forward pass.
+
+    Same loss, loss scaling and outputs as the stock method (Keras 3.15's
+    `backend/jax/trainer.py`), but the predictions come from
+    `forward(trainable, non_trainable, x) -> (y_pred, non_trainable, losses)`
+    (e.g. the micro-batch scan). The forward pass's own losses (`add_loss`,
+    activity and weight regularizers, from the stateless values) reach
+    `compute_loss` through the private `_losses_override` list, as in the
+    stock method; Keras has no public way to hand them over. Checked on
+    Keras 3.15.
+
+    Returns:
+        `(scaled_loss, (unscaled_loss, y_pred, non_trainable, metrics_variables))`,
+        as the stock method, for `jax.value_and_grad(..., has_aux=True)`.
+    """
+    y_pred, non_trainable, losses = forward(trainable, non_trainable, x)
+    if losses:
+        model._losses_override.clear()
+        model._losses_override = losses
+    loss, variables = model.stateless_compute_loss(
+        trainable,
+        non_trainable,
+        metrics_variables,
+        x=x,
+        y=y,
+        y_pred=y_pred,
+        sample_weight=sample_weight,
+        training=True,
+    )
+    if losses:
+        model._losses_override.clear()
+    _, non_trainable, metrics_variables = variables
+    unscaled_loss = loss
+    if model.optimizer is not None:
+        mapping = list(zip(model.optimizer.variables, optimizer_variables))
+        with keras.StatelessScope(state_mapping=mapping):
+            loss = model.optimizer.scale_loss(loss)
+    return loss, (unscaled_loss, y_pred, non_trainable, metrics_variables)

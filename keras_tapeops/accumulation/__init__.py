@@ -24,7 +24,7 @@ from keras_tapeops.accumulation.flush import AccumulationFlush
 from keras_tapeops.accumulation.flush import add_flush_callback
 from keras_tapeops.accumulation.micro_batches import micro_batch_gradients
 from keras_tapeops.accumulation.reductions import check_compile_loss
-from keras_tapeops.accumulation.splitting import micro_batch_sizes
+from keras_tapeops.split_sizes import micro_batch_sizes
 
 
 def check_model(model: keras.Model, options: Any) -> None:

@@ -13,28 +13,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 
-def micro_batch_sizes(n: int, k: int) -> list[int]:
-    """The micro-batch sizes for a batch of `n` samples split `k` ways (Python ints).
-
-    Args:
-        n: number of samples in the batch (int >= 1).
-        k: requested number of micro-batches (int >= 1).
-
-    Returns:
-        A list of `min(k, n)` ints summing to `n`, small ones first.
-
-    Example:
-    ```python
-    micro_batch_sizes(10, 4)  # [2, 2, 3, 3]
-    ```
-    """
-    m = max(min(k, n), 1)
-    q, r = divmod(n, m)
-    return [q] * (m - r) + [q + 1] * r
-
-
 def plan(n, k):
-    """Tensor version of `micro_batch_sizes`: returns `(q, r, n_small)`.
+    """Tensor version of `split_sizes.micro_batch_sizes`: returns `(q, r, n_small)`.
 
     Args:
         n: scalar int32 tensor, the batch size.

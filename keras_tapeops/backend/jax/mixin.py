@@ -1,7 +1,8 @@
 """`TapeOpsMixin` on JAX: the stock stateless JAX step plus the gradient transforms.
 
 train_step(state, data): unpack -> `jax.value_and_grad` of Keras's own
-`compute_loss_and_updates` (forward, compiled loss, loss scaling) -> true
+`compute_loss_and_updates` (forward, compiled loss, loss scaling; with
+`micro_batches` the forward pass is the micro-batch scan) -> true
 gradients (unscaled under mixed precision) -> transform_gradients -> the
 optimizer's `stateless_apply` -> metrics. Under
 `keras.distribution.DataParallel` the gradient of the global batch is
@@ -14,11 +15,14 @@ from __future__ import annotations
 from typing import Any
 from typing import Sequence
 
+import functools
+
 import jax
 import keras
 from keras import ops
 
 from keras_tapeops._keras import jax_trainer
+from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax.options import check_bound_state
 from keras_tapeops.backend.jax.options import pop_jax_options
 from keras_tapeops.hook_overrides import default_hook
@@ -94,6 +98,11 @@ class TapeOpsMixin(SavingMethods):
             *args, **kwargs: everything stock `keras.Model.compile` takes.
             gradient_transforms: list of `kt.GradientTransform`, applied in
                 order to the true (unscaled, all-reduced) gradients.
+            micro_batches: int >= 1; every batch's gradient is computed in
+                this many rematerialized forward passes (one optimizer step).
+            batch_norm_updates: `"per_micro_batch"` (needed on JAX when
+                the model has BatchNormalization layers and
+                `micro_batches > 1`).
 
         Returns:
             None. Raises ValueError naming an option the JAX step does not
@@ -101,6 +110,8 @@ class TapeOpsMixin(SavingMethods):
         """
         kwargs = dict(kwargs)
         options = pop_jax_options(kwargs)
+        if self.built:
+            micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
         super().compile(*args, **kwargs)
         self._tapeops = options
         self._tapeops_state = JaxModelState(options)
@@ -118,7 +129,34 @@ class TapeOpsMixin(SavingMethods):
     def _tapeops_changes_step(self) -> bool:
         options = self.tapeops_options
         has_transforms = options is not None and bool(options.gradient_transforms)
-        return has_transforms or overrides(self, "transform_gradients")
+        split = options is not None and options.micro_batches > 1
+        return has_transforms or split or overrides(self, "transform_gradients")
+
+    def _loss_and_updates(self) -> Any:
+        """`f(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars)`.
+
+        Keras's own `compute_loss_and_updates` in training mode, or, with
+        `micro_batches > 1`, the same loss over the micro-batch scan.
+        """
+        options = self.tapeops_options
+        if options is None or options.micro_batches <= 1:
+
+            def stock(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars):
+                return self.compute_loss_and_updates(
+                    trainable,
+                    non_trainable,
+                    metrics,
+                    x,
+                    y,
+                    sample_weight,
+                    training=True,
+                    optimizer_variables=optimizer_vars,
+                )
+
+            return stock
+        micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
+        forward = micro_batches.micro_batch_forward(self, options.micro_batches)
+        return functools.partial(jax_trainer.compute_loss_and_updates, self, forward)
 
     @default_hook
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
@@ -135,16 +173,9 @@ class TapeOpsMixin(SavingMethods):
             return super().train_step(state, data)  # the stock step, exactly
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        grad_fn = jax.value_and_grad(self._loss_and_updates(), has_aux=True)
         (_, aux), grads = grad_fn(
-            trainable,
-            non_trainable,
-            metrics_vars,
-            x,
-            y,
-            sample_weight,
-            training=True,
-            optimizer_variables=optimizer_vars,
+            trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
         )
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
         grads = self._true_transformed(list(grads), list(trainable), optimizer_vars)

@@ -14,7 +14,7 @@ from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
 
 #: The compile options the JAX step applies (the others are refused).
-JAX_OPTIONS = ("gradient_transforms",)
+JAX_OPTIONS = ("gradient_transforms", "micro_batches", "batch_norm_updates")
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
 #: is too when it keeps no training state and gates no step.
@@ -24,7 +24,8 @@ JAX_TRANSFORMS = (ClipByNorm, ClipByGlobalNorm, ClipByValue, AdaptiveClip, Centr
 def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
-        "keras_tapeops supports gradient_transforms with "
+        "keras_tapeops supports micro_batches, kt.optimizer_groups, "
+        "kt.layerwise_lr_decay and gradient_transforms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TRANSFORMS)
         + " and your own stateless kt.GradientTransform (see docs/backends.md). "
         f"Use KERAS_BACKEND=tensorflow for it. Received: {name}={value!r}"
@@ -42,7 +43,7 @@ def pop_jax_options(kwargs: dict[str, Any]) -> TapeOpsOptions:
             removed, the stock ones stay.
 
     Returns:
-        A `TapeOpsOptions` (only `gradient_transforms` may be set).
+        A `TapeOpsOptions` (only the options in `JAX_OPTIONS` may be set).
     """
     given = {option.name: kwargs.pop(option.name) for option in OPTIONS if option.name in kwargs}
     for option in OPTIONS:
