@@ -30,6 +30,10 @@ def _installed_version():
 from keras_tapeops import backend  # noqa: E402,F401  (kt.backend.name())
 from keras_tapeops.groups import optimizer_groups  # noqa: E402
 from keras_tapeops.layerwise_decay import layerwise_lr_decay  # noqa: E402
+from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
+from keras_tapeops.terms.base import Term  # noqa: E402
+from keras_tapeops.terms.base import TermContext  # noqa: E402
+from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
@@ -58,10 +62,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.sam import SAM  # noqa: E402
     from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
     from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
-    from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
-    from keras_tapeops.terms.base import Term  # noqa: E402
-    from keras_tapeops.terms.base import TermContext  # noqa: E402
-    from keras_tapeops.terms.custom import LossTerm  # noqa: E402
     from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
     from keras_tapeops.terms.adversarial import TRADES  # noqa: E402
     from keras_tapeops.terms.adversarial import AdversarialLoss  # noqa: E402

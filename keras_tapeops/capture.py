@@ -8,7 +8,7 @@ the pass ends. The layer is never run a second time.
 
 import contextlib
 
-import tensorflow as tf
+import keras
 
 from keras_tapeops._keras import private
 
@@ -52,7 +52,7 @@ def _recording_call(original, sink):
         # A symbolic build of an unbuilt model runs `call` on placeholders in
         # a scratch graph first; only the real forward pass counts.
         if not private.in_symbolic_build():
-            sink.extend(t for t in tf.nest.flatten(outputs) if t is not None)
+            sink.extend(t for t in keras.tree.flatten(outputs) if t is not None)
         return outputs
 
     return call

@@ -70,27 +70,6 @@ def forward_and_loss(model, x, y, sample_weight, training, compute_terms, log=Tr
     return loss, y_pred
 
 
-def weighted_term_values(terms, context, step):
-    """`weight * value` (float32 scalar) of each term, in order.
-
-    Args:
-        terms: the active `(kt.Term, state)` pairs.
-        context: the step's `kt.TermContext` (its `state` is set per term).
-        step: the optimizer's step (for scheduled weights).
-
-    Returns:
-        A list of float32 scalars.
-    """
-    values = []
-    for term, state in terms:
-        context.state = state
-        values.append(
-            tf.cast(term.weight_at(step), "float32") * tf.cast(term.call(context), "float32")
-        )
-    context.state = None
-    return values
-
-
 @contextlib.contextmanager
 def forward_recorder(terms, x):
     """Records the layer outputs the terms capture, and watches float inputs if asked.

@@ -46,6 +46,7 @@ from keras_tapeops.replicas import batch_size
 from keras_tapeops.state import ModelState
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import weighted_term_values
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.typing_aliases import Gradient
 from keras_tapeops.typing_aliases import Nested
@@ -324,7 +325,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
         ```
         """
         step = self.optimizer.iterations if self.optimizer is not None else 0
-        return forward.weighted_term_values(terms, context, step)
+        return weighted_term_values(terms, context, step)
 
     def update_weights(
         self, grads: Sequence[Gradient], n_samples: int | tf.Tensor

@@ -43,11 +43,13 @@ from jax_models import (  # noqa: E402
     data,
     decayed_optimizer,
     grouped_optimizers,
+    loss_terms,
     make_batch_norm,
     make_mlp,
     make_regularized,
     sample_weights,
     transforms,
+    with_extra_term,
 )
 
 
@@ -200,6 +202,54 @@ def main():
     except ValueError as error:
         report["batch_norm_refusal"] = str(error)
 
+    # Loss terms (History with validation, a compute_terms override), jitted
+    # and eager, on two devices, in mixed precision; saved with the terms.
+    for name, kwargs in [("terms", {}), ("terms_eager", {"jit_compile": False})]:
+        model = compiled(
+            make_mlp(init),
+            gradient_transforms=transforms(kt),
+            loss_terms=loss_terms(kt),
+            **kwargs,
+        )
+        save_case(out, name, model, fit(model, x, y, validation_data=(x[:32], y[:32])))
+    model.save(out / "terms_from_jax.keras")
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(
+            make_mlp(init), gradient_transforms=transforms(kt), loss_terms=loss_terms(kt)
+        )
+        save_case(
+            out, "terms_data_parallel", model, fit(model, x, y, validation_data=(x[:32], y[:32]))
+        )
+    finally:
+        keras.distribution.set_distribution(None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(make_mlp(init), loss_terms=loss_terms(kt))
+        save_case(out, "terms_mixed", model, fit(model, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model = compiled(with_extra_term(kt, init), loss_terms=loss_terms(kt)[:1])
+    save_case(out, "extra_term", model, fit(model, x, y))
+
+    class NeedsInputs(kt.Term):
+        needs_input_gradients = True
+
+        def call(self, context):
+            return keras.ops.sum(context.input_gradients())
+
+    scheduled = kt.ActivationPenalty("body1", l2=0.1, weight=lambda step: 0.1)
+    for name, options in [
+        ("input_gradients", {"loss_terms": [NeedsInputs()]}),
+        ("terms_micro", {"loss_terms": loss_terms(kt)[:1], "micro_batches": 2}),
+        ("scheduled_validation", {"loss_terms": [scheduled]}),
+    ]:
+        try:
+            make_mlp(init).compile(optimizer="sgd", loss="mse", **options)
+            report[f"{name}_refusal"] = None
+        except ValueError as error:
+            report[f"{name}_refusal"] = str(error)
+
     # Optimizer groups and layer-wise decay (stock MultiOptimizer underneath).
     model = make_mlp(init)
     model.compile(
@@ -268,7 +318,6 @@ def main():
     refusals = {}
     for option, value in [
         ("accumulation_steps", 4),
-        ("loss_terms", ["a term"]),
         ("sharpness_aware", "a SAM"),
         ("differential_privacy", "a DPSGD"),
         ("task_balancing", "a PCGrad"),

@@ -117,3 +117,40 @@ def decayed_optimizer(kt, model):
     return kt.layerwise_lr_decay(
         model, keras.optimizers.Adam(0.01), decay=0.5, layers=["body1", "body2", "head"]
     )
+
+
+@keras.saving.register_keras_serializable(package="jax_models")
+def body2_square(model, x, y, y_pred, body2):
+    """A LossTerm reading a layer's output (and the model's head kernel, at weight 0)."""
+    return keras.ops.mean(keras.ops.cast(body2, "float32") ** 2) + 0.0 * keras.ops.sum(
+        model.get_layer("head").kernel
+    )
+
+
+@keras.saving.register_keras_serializable(package="jax_models")
+def mean_output(model, x, y, y_pred):
+    """A LossTerm of the predictions only."""
+    return keras.ops.mean(y_pred)
+
+
+def loss_terms(kt):
+    """An activation penalty, a LossTerm with `layers=`, a training-only LossTerm."""
+    return [
+        kt.ActivationPenalty("body1", l2=0.1),
+        kt.LossTerm(body2_square, weight=0.5, layers=["body2"], name="body2_square"),
+        kt.LossTerm(mean_output, weight=0.2, in_validation=False),
+    ]
+
+
+def with_extra_term(kt, init):
+    """A subclass whose `compute_terms` override adds an unnamed term."""
+
+    class WithExtraTerm(kt.TapeOpsSequential):
+        def compute_terms(self, terms, context):
+            values = super().compute_terms(terms, context)
+            return values + [0.1 * keras.ops.mean(context.y_pred**2)]
+
+    model = WithExtraTerm(make_mlp(init, upgrade=False).layers)
+    model.build((None, 8))
+    model.set_weights(init)
+    return model

@@ -28,9 +28,11 @@ from jax_models import (
     decayed_optimizer,
     grouped_optimizers,
     initial_weights,
+    loss_terms,
     make_batch_norm,
     make_mlp,
     transforms,
+    with_extra_term,
 )
 
 pytest.importorskip("jax")
@@ -79,6 +81,10 @@ def runs(tmp_path_factory):
         )
         _tf_fit(model, x, y)
         tf_runs["micro3_clip_mixed"] = (model.get_weights(), None)
+        model = make_mlp(init)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt))
+        _tf_fit(model, x, y)
+        tf_runs["terms_mixed"] = (model.get_weights(), None)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model = make_mlp(init)
@@ -106,6 +112,27 @@ def runs(tmp_path_factory):
     _tf_fit(model, x, y)
     tf_runs["groups"] = (model.get_weights(), None)
     model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        gradient_transforms=transforms(kt),
+        loss_terms=loss_terms(kt),
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:32], y[:32]),
+    ).history
+    tf_runs["terms"] = (model.get_weights(), history)
+    model = with_extra_term(kt, init)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt)[:1])
+    _tf_fit(model, x, y)
+    tf_runs["extra_term"] = (model.get_weights(), None)
+    model = make_mlp(init)
     model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
     _tf_fit(model, x, y)
     tf_runs["lr_decay_micro"] = (model.get_weights(), None)
@@ -121,7 +148,7 @@ def runs(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return out, tf_runs
@@ -280,11 +307,54 @@ def test_optimizer_groups_and_layerwise_decay_equal_tensorflow(runs):
         assert _max_diff(_jax(out, name)[0], tf_runs[name][0]) <= 1e-5, name
 
 
+def test_loss_terms_equal_tensorflow_with_history_and_validation(runs):
+    # An ActivationPenalty, a LossTerm(layers=[...]) reading the model's
+    # weights, a training-only LossTerm; with the three clip groups.
+    out, tf_runs = runs
+    weights, history = _jax(out, "terms")
+    tf_weights, tf_history = tf_runs["terms"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history)
+    assert "mean_output" in history and "val_mean_output" not in history
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    assert _max_diff(_jax(out, "clip")[0], tf_weights) > 1e-4  # the terms change the result
+    for name in ("terms_eager", "terms_data_parallel"):
+        assert _max_diff(_jax(out, name)[0], weights) <= 1e-5, name
+    assert _max_diff(_jax(out, "terms_mixed")[0], tf_runs["terms_mixed"][0]) <= 5e-3
+    # A compute_terms override adds its own value on both backends.
+    assert _max_diff(_jax(out, "extra_term")[0], tf_runs["extra_term"][0]) <= 1e-5
+
+
+def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
+    out, _ = runs
+    loaded = keras.saving.load_model(out / "terms_from_jax.keras")
+    assert [repr(t) for t in loaded.tapeops_options.loss_terms] == [repr(t) for t in loss_terms(kt)]
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("input_gradients", "`loss_terms` with NeedsInputs is not available on the JAX backend"),
+        ("terms_micro", "`loss_terms` with micro_batches=2 is not available on the JAX backend"),
+        (
+            "scheduled_validation",
+            "`loss_terms` with a scheduled weight and in_validation=True "
+            "('activation_penalty_body1'; pass in_validation=False) is not available",
+        ),
+    ],
+)
+def test_loss_terms_jax_cannot_compute_are_refused(runs, case, message):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    assert report[f"{case}_refusal"].startswith(message)
+    assert "Received: loss_terms=[" in report[f"{case}_refusal"]
+
+
 @pytest.mark.parametrize(
     "option",
     [
         "accumulation_steps",
-        "loss_terms",
         "sharpness_aware",
         "differential_privacy",
         "task_balancing",

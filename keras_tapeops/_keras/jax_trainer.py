@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 
 def update_metrics_variables(
     model: Any,
@@ -39,33 +37,30 @@ def call_kwargs(model: Any, training: bool) -> dict[str, Any]:
     return {"training": training} if model._call_has_training_arg else {}
 
 
-def compute_loss_and_updates(
+def stateless_loss(
     model: Any,
-    forward: Any,
     trainable: Any,
     non_trainable: Any,
     metrics_variables: Any,
     x: Any,
     y: Any,
+    y_pred: Any,
     sample_weight: Any,
-    optimizer_variables: Any,
-) -> tuple[Any, tuple[Any, Any, Any, Any]]:
-    """`JAXTrainer.compute_loss_and_updates` in training mode, with another forward pass.
+    losses: list[Any],
+    training: bool,
+) -> tuple[Any, Any, Any]:
+    """The compiled loss of `y_pred` plus the forward pass's own `losses`.
 
-    Same loss, loss scaling and outputs as the stock method (Keras 3.15's
-    `backend/jax/trainer.py`), but the predictions come from
-    `forward(trainable, non_trainable, x) -> (y_pred, non_trainable, losses)`
-    (e.g. the micro-batch scan). The forward pass's own losses (`add_loss`,
-    activity and weight regularizers, from the stateless values) reach
-    `compute_loss` through the private `_losses_override` list, as in the
-    stock method; Keras has no public way to hand them over. Checked on
-    Keras 3.15.
+    What the stock `JAXTrainer.compute_loss_and_updates` does after its
+    forward pass (Keras 3.15's `backend/jax/trainer.py`): the forward pass's
+    losses (`add_loss`, activity and weight regularizers, computed from the
+    stateless values) reach `compute_loss` through the private
+    `_losses_override` list; Keras has no public way to hand them over.
+    Checked on Keras 3.15.
 
     Returns:
-        `(scaled_loss, (unscaled_loss, y_pred, non_trainable, metrics_variables))`,
-        as the stock method, for `jax.value_and_grad(..., has_aux=True)`.
+        `(loss, non_trainable, metrics_variables)` (loss not yet scaled).
     """
-    y_pred, non_trainable, losses = forward(trainable, non_trainable, x)
     if losses:
         model._losses_override.clear()
         model._losses_override = losses
@@ -77,14 +72,9 @@ def compute_loss_and_updates(
         y=y,
         y_pred=y_pred,
         sample_weight=sample_weight,
-        training=True,
+        training=training,
     )
     if losses:
         model._losses_override.clear()
     _, non_trainable, metrics_variables = variables
-    unscaled_loss = loss
-    if model.optimizer is not None:
-        mapping = list(zip(model.optimizer.variables, optimizer_variables))
-        with keras.StatelessScope(state_mapping=mapping):
-            loss = model.optimizer.scale_loss(loss)
-    return loss, (unscaled_loss, y_pred, non_trainable, metrics_variables)
+    return loss, non_trainable, metrics_variables

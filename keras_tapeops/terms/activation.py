@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import paths
 from keras_tapeops import selectors
@@ -114,22 +114,22 @@ class ActivationPenalty(Term):
     def layers_to_capture(self, state: Any) -> list[Any]:
         return [state]
 
-    def call(self, context: TermContext) -> tf.Tensor:
+    def call(self, context: TermContext) -> Any:
         layer = context.state
-        outputs = [t for t in context.activations(layer) if tf.as_dtype(t.dtype).is_floating]
+        outputs = [t for t in context.activations(layer) if keras.backend.is_float_dtype(t.dtype)]
         if not outputs:
             raise ValueError(
                 f"ActivationPenalty {self.name!r}: layer {layer.name!r} produced "
                 "no floating-point output in the forward pass (is it used by "
                 f"the model's call()?). Received: layer={self.layer!r}"
             )
-        total = tf.constant(0.0, "float32")
+        total = ops.zeros((), "float32")
         for tensor in outputs:
-            a = tf.cast(tensor, "float32")
+            a = ops.cast(tensor, "float32")
             if self.l1:
-                total += self.l1 * tf.reduce_mean(tf.abs(a))
+                total += self.l1 * ops.mean(ops.abs(a))
             if self.l2:
-                total += self.l2 * tf.reduce_mean(tf.square(a))
+                total += self.l2 * ops.mean(ops.square(a))
         return total
 
     def get_config(self) -> dict[str, Any]:

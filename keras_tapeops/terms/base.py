@@ -8,18 +8,23 @@ under the term's `name` (epoch sample-weighted mean, like `loss`).
 from __future__ import annotations
 
 import numbers
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import Sequence
 from typing import TypeVar
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import selectors
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.typing_aliases import Nested
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 #: A term's weight: a number, a LearningRateSchedule or a callable step -> number.
@@ -48,7 +53,7 @@ class TermContext:
         sample_weight: Nested,
         training: bool,
         activations: dict[int, list[Any]],
-        input_tape: tf.GradientTape | None = None,
+        input_tape: "tf.GradientTape | None" = None,
         watched_inputs: Any = None,
     ) -> None:
         self.model = model
@@ -62,7 +67,7 @@ class TermContext:
         self._watched_inputs = watched_inputs
         self.state: Any = None
 
-    def activations(self, layer: keras.layers.Layer) -> list[tf.Tensor]:
+    def activations(self, layer: keras.layers.Layer) -> list[Any]:
         """Returns the list of output tensors `layer` produced in this forward pass.
 
         Every call of the layer counts, and a layer with several outputs
@@ -84,7 +89,7 @@ class TermContext:
             )
         return list(self._activations[id(layer)])
 
-    def input_gradients(self, target: tf.Tensor | None = None) -> Nested:
+    def input_gradients(self, target: Any = None) -> Nested:
         """Gradient of `target` (default: sum of all outputs) w.r.t. the inputs.
 
         Available when the term sets `needs_input_gradients = True`; the
@@ -94,6 +99,8 @@ class TermContext:
         """
         if self._input_tape is None:
             raise ValueError("input_gradients() needs a term with needs_input_gradients=True.")
+        import tensorflow as tf  # the input tape exists on TensorFlow only
+
         if target is None:
             target = tf.add_n(
                 [tf.reduce_sum(tf.cast(t, "float32")) for t in tf.nest.flatten(self.y_pred)]
@@ -175,18 +182,18 @@ class Term(ConfigRepr):
         """Layers whose outputs the forward pass must record, given `state`."""
         return []
 
-    def call(self, context: TermContext) -> tf.Tensor:
+    def call(self, context: TermContext) -> Any:
         """Returns the unweighted scalar value of the term."""
         raise NotImplementedError(f"{type(self).__name__} must implement call().")
 
-    def weight_at(self, step: int | tf.Tensor) -> tf.Tensor:
+    def weight_at(self, step: Any) -> Any:
         """Returns the weight at optimizer step `step` as a float32 tensor."""
         weight = self.weight
         if isinstance(weight, keras.optimizers.schedules.LearningRateSchedule) or (
             callable(weight)
         ):
             weight = weight(step)
-        return tf.cast(weight, "float32")
+        return ops.cast(weight, "float32")
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -200,6 +207,29 @@ class Term(ConfigRepr):
         config = dict(config)
         config["weight"] = deserialize_weight(config["weight"])
         return cls(**config)
+
+
+def weighted_term_values(
+    terms: Sequence[tuple[Term, Any]], context: TermContext, step: Any
+) -> list[Any]:
+    """`weight * value` (float32 scalar) of each term, in order (any backend).
+
+    Args:
+        terms: the active `(kt.Term, state)` pairs.
+        context: the step's `kt.TermContext` (its `state` is set per term).
+        step: the optimizer's step (for scheduled weights).
+
+    Returns:
+        A list of float32 scalars.
+    """
+    values = []
+    for term, state in terms:
+        context.state = state
+        values.append(
+            ops.cast(term.weight_at(step), "float32") * ops.cast(term.call(context), "float32")
+        )
+    context.state = None
+    return values
 
 
 def validate_weight(weight: Any) -> Weight:

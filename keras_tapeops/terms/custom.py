@@ -8,7 +8,7 @@ from typing import Sequence
 from typing import TYPE_CHECKING
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import paths
 from keras_tapeops import selectors
@@ -124,7 +124,7 @@ class LossTerm(Term):
     def layers_to_capture(self, state: Any) -> list[Any]:
         return list(state or ())
 
-    def call(self, context: TermContext) -> tf.Tensor:
+    def call(self, context: TermContext) -> Any:
         outputs = []
         for path, layer in zip(self.layers or (), context.state or ()):
             tensors = context.activations(layer)
@@ -136,13 +136,13 @@ class LossTerm(Term):
                 )
             outputs.append(tensors[0] if len(tensors) == 1 else tensors)
         value = self.fn(context.model, context.x, context.y, context.y_pred, *outputs)
-        value = tf.convert_to_tensor(value)
-        if value.shape.rank != 0:
+        value = ops.convert_to_tensor(value)
+        if len(value.shape) != 0:
             raise ValueError(
                 f"LossTerm {self.name!r}: `fn` must return a scalar. "
                 f"Received: a value of shape {value.shape}"
             )
-        return tf.cast(value, "float32")
+        return ops.cast(value, "float32")
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -1,8 +1,9 @@
 """`TapeOpsMixin` on JAX: the stock stateless JAX step plus the gradient transforms.
 
 train_step(state, data): unpack -> `jax.value_and_grad` of Keras's own
-`compute_loss_and_updates` (forward, compiled loss, loss scaling; with
-`micro_batches` the forward pass is the micro-batch scan) -> true
+`compute_loss_and_updates` (forward, compiled loss, loss scaling), or, with
+loss terms or `micro_batches`, of `backend/jax/loss.py`'s loss (the forward
+pass or the micro-batch scan, the compiled loss, the terms) -> true
 gradients (unscaled under mixed precision) -> transform_gradients -> the
 optimizer's `stateless_apply` -> metrics. Under
 `keras.distribution.DataParallel` the gradient of the global batch is
@@ -15,13 +16,12 @@ from __future__ import annotations
 from typing import Any
 from typing import Sequence
 
-import functools
-
 import jax
 import keras
 from keras import ops
 
 from keras_tapeops._keras import jax_trainer
+from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax.options import check_bound_state
 from keras_tapeops.backend.jax.options import pop_jax_options
@@ -31,22 +31,46 @@ from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.options import compile_signature
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.saving import SavingMethods
+from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+from keras_tapeops.terms.base import weighted_term_values
 from keras_tapeops.transforms.base import apply_in_order
 
 
 class JaxModelState:
-    """What one model resolved from its options on JAX: the bound transforms.
+    """What one model resolved from its options on JAX: transforms, terms, trackers.
 
     Args:
+        model: the model being compiled.
         options: the model's `TapeOpsOptions`.
     """
 
     saveable = None  # no training state on JAX yet (stateful transforms are refused)
 
-    def __init__(self, options: TapeOpsOptions) -> None:
+    def __init__(self, model: keras.Model, options: TapeOpsOptions) -> None:
         self.options = options
         self.transforms: list[Any] = []
         self._bound_to: int | None = None
+        tree = LayerTree(model)
+        self.terms = [(term, term.bind(model, tree)) for term in options.loss_terms]
+        self.term_trackers: dict[str, keras.metrics.Mean] = {}
+
+    def create_trackers(self) -> None:
+        """One `Mean` per term, logged under the term's name (as on TensorFlow)."""
+        self.term_trackers = {
+            term.name: keras.metrics.Mean(name=term.name) for term, _ in self.terms
+        }
+
+    def active_terms(self, training: bool) -> list[tuple[Term, Any]]:
+        """`(term, state)` pairs computed in training or in evaluation."""
+        if training:
+            return list(self.terms)
+        return [(t, s) for t, s in self.terms if t.in_validation]
+
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        """The term trackers, in term order."""
+        return list(self.term_trackers.values())
 
     def bind(self, model: keras.Model) -> list[Any]:
         """Binds the transforms to `model`'s trainable variables once; returns them."""
@@ -103,6 +127,9 @@ class TapeOpsMixin(SavingMethods):
             batch_norm_updates: `"per_micro_batch"` (needed on JAX when
                 the model has BatchNormalization layers and
                 `micro_batches > 1`).
+            loss_terms: list of `kt.LossTerm`, `kt.ActivationPenalty` or
+                your own `kt.Term`, added to the loss from the same forward
+                pass and logged under their names.
 
         Returns:
             None. Raises ValueError naming an option the JAX step does not
@@ -112,9 +139,11 @@ class TapeOpsMixin(SavingMethods):
         options = pop_jax_options(kwargs)
         if self.built:
             micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
+        state = JaxModelState(self, options)  # binds the terms: raises before compiling
         super().compile(*args, **kwargs)
+        state.create_trackers()
         self._tapeops = options
-        self._tapeops_state = JaxModelState(options)
+        self._tapeops_state = state
 
     @property
     def tapeops_options(self) -> TapeOpsOptions | None:
@@ -126,37 +155,82 @@ class TapeOpsMixin(SavingMethods):
         """This model's `JaxModelState` (or None before `compile()`)."""
         return getattr(self, "_tapeops_state", None)
 
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        """Stock metrics, then the loss terms' trackers."""
+        metrics = super().metrics
+        state = self.tapeops_state
+        if state is not None and self.compiled:
+            metrics = metrics + state.metrics
+        return metrics
+
     def _tapeops_changes_step(self) -> bool:
         options = self.tapeops_options
         has_transforms = options is not None and bool(options.gradient_transforms)
         split = options is not None and options.micro_batches > 1
-        return has_transforms or split or overrides(self, "transform_gradients")
+        return (
+            has_transforms
+            or split
+            or self._tapeops_changes_loss(training=True)
+            or overrides(self, "transform_gradients")
+        )
 
-    def _loss_and_updates(self) -> Any:
+    def _tapeops_changes_loss(self, training: bool) -> bool:
+        state = self.tapeops_state
+        has_terms = state is not None and bool(state.active_terms(training))
+        return has_terms or overrides(self, "compute_terms")
+
+    def _loss_function(self, training: bool) -> jax_loss.LossFunction:
         """`f(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars)`.
 
-        Keras's own `compute_loss_and_updates` in training mode, or, with
-        `micro_batches > 1`, the same loss over the micro-batch scan.
+        Keras's own `compute_loss_and_updates`, or, with loss terms or
+        `micro_batches > 1` (training), `backend/jax/loss.py`'s loss over
+        the forward pass or the micro-batch scan. Its aux output ends with
+        the terms' weighted values.
         """
         options = self.tapeops_options
-        if options is None or options.micro_batches <= 1:
+        split = training and options is not None and options.micro_batches > 1
+        if not split and not self._tapeops_changes_loss(training):
 
             def stock(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars):
-                return self.compute_loss_and_updates(
+                loss, aux = self.compute_loss_and_updates(
                     trainable,
                     non_trainable,
                     metrics,
                     x,
                     y,
                     sample_weight,
-                    training=True,
+                    training=training,
                     optimizer_variables=optimizer_vars,
                 )
+                return loss, (*aux, [])
 
             return stock
-        micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
-        forward = micro_batches.micro_batch_forward(self, options.micro_batches)
-        return functools.partial(jax_trainer.compute_loss_and_updates, self, forward)
+        if split and options is not None:
+            micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
+            forward = micro_batches.micro_batch_forward(self, options.micro_batches)
+        else:
+            forward = jax_loss.stateless_forward(self, training)
+        terms = self.tapeops_state.active_terms(training) if self.tapeops_state else []
+        return jax_loss.loss_function(self, forward, terms, training)
+
+    def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
+        """Term trackers, then Keras's own loss tracker and compiled metrics."""
+        if values:
+            trackers = self.tapeops_state.term_trackers
+            names = [term.name for term, _ in self.tapeops_state.active_terms(training)]
+            metrics_vars = jax_loss.update_term_trackers(
+                self, metrics_vars, [trackers[name] for name in names], values, _batch_size(x)
+            )
+        logs, metrics_vars = jax_trainer.update_metrics_variables(
+            self, metrics_vars, loss, x, y, y_pred, sample_weight
+        )
+        if not training and self.tapeops_state is not None:
+            logs = dict(logs)
+            for term, _ in self.tapeops_state.terms:
+                if not term.in_validation:  # not computed in evaluation: no val_<name>
+                    logs.pop(term.name, None)
+        return logs, metrics_vars
 
     @default_hook
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
@@ -173,17 +247,61 @@ class TapeOpsMixin(SavingMethods):
             return super().train_step(state, data)  # the stock step, exactly
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(self._loss_and_updates(), has_aux=True)
+        grad_fn = jax.value_and_grad(self._loss_function(training=True), has_aux=True)
         (_, aux), grads = grad_fn(
             trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
         )
-        unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+        unscaled_loss, y_pred, non_trainable, metrics_vars, values = aux
         grads = self._true_transformed(list(grads), list(trainable), optimizer_vars)
         trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        logs, metrics_vars = jax_trainer.update_metrics_variables(
-            self, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight
+        logs, metrics_vars = self._log(
+            metrics_vars, unscaled_loss, x, y, y_pred, sample_weight, values, training=True
         )
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    @default_hook
+    def test_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
+        """The stateless JAX evaluation step, with the `in_validation` loss terms.
+
+        Args:
+            state: `(trainable, non_trainable, metrics)` variable values.
+            data: the batch.
+
+        Returns:
+            `(logs, state)` as Keras's JAX trainer expects.
+        """
+        if not self._tapeops_changes_loss(training=False):
+            return super().test_step(state, data)  # the stock step, exactly
+        trainable, non_trainable, metrics_vars = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        _, aux = self._loss_function(training=False)(
+            trainable, non_trainable, metrics_vars, x, y, sample_weight, None
+        )
+        loss, y_pred, non_trainable, metrics_vars, values = aux
+        logs, metrics_vars = self._log(
+            metrics_vars, loss, x, y, y_pred, sample_weight, values, training=False
+        )
+        return logs, (trainable, non_trainable, metrics_vars)
+
+    @default_hook
+    def compute_terms(self, terms: Sequence[tuple[Term, Any]], context: TermContext) -> list[Any]:
+        """Returns `weight * value` (float32 scalar) of each term, in order.
+
+        Override to add terms computed from `context` without a Term class:
+        call `super()` and append scalars; the first `len(terms)` values are
+        logged under the terms' names, any extra value is only added to the
+        loss. On JAX it runs inside a `keras.StatelessScope`: reading the
+        model's weights gives this step's values.
+
+        Args:
+            terms: the active `(kt.Term, state)` pairs.
+            context: the step's `kt.TermContext`.
+
+        Returns:
+            A list of float32 scalars.
+        """
+        step = self.optimizer.iterations if self.optimizer is not None else 0
+        return weighted_term_values(terms, context, step)
 
     def _true_transformed(self, grads, values, optimizer_vars):
         """Unscales (mixed precision), transforms, and rescales the gradients.
@@ -228,3 +346,7 @@ class TapeOpsMixin(SavingMethods):
 
 
 TapeOpsMixin.compile.__signature__ = compile_signature(TapeOpsMixin.compile)
+
+
+def _batch_size(x: Any) -> int:
+    return int(next(t for t in jax.tree_util.tree_leaves(x) if t is not None).shape[0])

@@ -6,6 +6,9 @@ from typing import Any
 
 from keras_tapeops.options import OPTIONS
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.terms.activation import ActivationPenalty
+from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.custom import LossTerm
 from keras_tapeops.transforms.adaptive import AdaptiveClip
 from keras_tapeops.transforms.adaptive import CentralizeGradients
 from keras_tapeops.transforms.base import GradientTransform
@@ -14,18 +17,24 @@ from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
 
 #: The compile options the JAX step applies (the others are refused).
-JAX_OPTIONS = ("gradient_transforms", "micro_batches", "batch_norm_updates")
+JAX_OPTIONS = ("gradient_transforms", "loss_terms", "micro_batches", "batch_norm_updates")
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
 #: is too when it keeps no training state and gates no step.
 JAX_TRANSFORMS = (ClipByNorm, ClipByGlobalNorm, ClipByValue, AdaptiveClip, CentralizeGradients)
+
+#: The built-in loss terms available on JAX; a user's own `kt.Term` is too
+#: when it does not ask for input gradients.
+JAX_TERMS = (LossTerm, ActivationPenalty)
 
 
 def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
         "keras_tapeops supports micro_batches, kt.optimizer_groups, "
-        "kt.layerwise_lr_decay and gradient_transforms with "
+        "kt.layerwise_lr_decay, loss_terms with "
+        + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
+        + " and your own kt.Term, and gradient_transforms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TRANSFORMS)
         + " and your own stateless kt.GradientTransform (see docs/backends.md). "
         f"Use KERAS_BACKEND=tensorflow for it. Received: {name}={value!r}"
@@ -57,7 +66,36 @@ def pop_jax_options(kwargs: dict[str, Any]) -> TapeOpsOptions:
     options = TapeOpsOptions(**given)
     for transform in options.gradient_transforms:
         check_jax_transform(transform)
+    for term in options.loss_terms:
+        check_jax_term(term)
+    if options.loss_terms and options.micro_batches > 1:
+        _refuse(
+            "loss_terms",
+            list(options.loss_terms),
+            f" with micro_batches={options.micro_batches}",
+        )
     return options
+
+
+def check_jax_term(term: Term) -> None:
+    """Raises ValueError for a loss term the JAX step cannot compute.
+
+    Args:
+        term: a `kt.Term`.
+    """
+    cls = type(term)
+    if not isinstance(term, JAX_TERMS) and (
+        cls.__module__.startswith("keras_tapeops.") or term.needs_input_gradients
+    ):
+        _refuse("loss_terms", [term], f" with {cls.__name__}")
+    if callable(term.weight) and term.in_validation:
+        # The JAX evaluation step has no optimizer state to read the step from.
+        _refuse(
+            "loss_terms",
+            [term],
+            f" with a scheduled weight and in_validation=True ({term.name!r}; "
+            "pass in_validation=False)",
+        )
 
 
 def check_jax_transform(transform: GradientTransform) -> None:

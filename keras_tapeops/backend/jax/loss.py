@@ -1,0 +1,132 @@
+"""The JAX step's loss: forward pass, compiled loss, loss terms, loss scaling.
+
+One function for every JAX path that changes the loss (micro-batches, loss
+terms): `loss_function(model, forward, terms, training)` returns the function
+`jax.value_and_grad` differentiates. It runs `forward` (the model's stateless
+call, or the micro-batch scan) while recording the layer outputs the terms
+declared, computes Keras's compiled loss on the predictions, then the terms
+(the model's `compute_terms` hook) inside a `keras.StatelessScope` that maps
+the model's and the optimizer's variables to the step's values (so a term
+that reads `model.weights`, or a weight scheduled on the optimizer's step,
+sees this step's values), and scales the total for mixed precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Sequence
+
+import keras
+from keras import ops
+
+from keras_tapeops import capture
+from keras_tapeops._keras import jax_trainer
+from keras_tapeops.hook_overrides import overrides
+from keras_tapeops.terms.base import Term
+from keras_tapeops.terms.base import TermContext
+
+LossFunction = Callable[..., tuple[Any, tuple[Any, ...]]]
+
+
+def stateless_forward(model: keras.Model, training: bool) -> Callable[..., Any]:
+    """`forward(trainable, non_trainable, x) -> (y_pred, non_trainable, losses)`."""
+    kwargs = jax_trainer.call_kwargs(model, training)
+
+    def forward(trainable, non_trainable, x):
+        return model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
+
+    return forward
+
+
+def loss_function(
+    model: keras.Model,
+    forward: Callable[..., Any],
+    terms: Sequence[tuple[Term, Any]],
+    training: bool,
+) -> LossFunction:
+    """The loss to differentiate, with the stock JAX trainer's outputs plus the terms'.
+
+    Args:
+        model: the model (its `compute_terms` hook computes the terms).
+        forward: `forward(trainable, non_trainable, x)`, see `stateless_forward`.
+        terms: the active `(kt.Term, state)` pairs.
+        training: the step's mode (scales the loss for mixed precision when True).
+
+    Returns:
+        `f(trainable, non_trainable, metrics, x, y, sample_weight,
+        optimizer_vars) -> (scaled_loss, (unscaled_loss, y_pred,
+        non_trainable, metrics, term_values))`.
+
+    Example:
+    ```python
+    f = loss_function(model, stateless_forward(model, True), state.active_terms(True), True)
+    (_, aux), grads = jax.value_and_grad(f, has_aux=True)(*state_and_batch)
+    ```
+    """
+    layers = [layer for term, state in terms for layer in term.layers_to_capture(state)]
+
+    def compute(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars):
+        with capture.recording_outputs(layers) as activations:
+            y_pred, new_non_trainable, losses = forward(trainable, non_trainable, x)
+        loss, new_non_trainable, metrics = jax_trainer.stateless_loss(
+            model,
+            trainable,
+            new_non_trainable,
+            metrics,
+            x,
+            y,
+            y_pred,
+            sample_weight,
+            losses,
+            training,
+        )
+        values = []
+        if terms or overrides(model, "compute_terms"):
+            mapping = list(zip(model.trainable_variables, trainable))
+            mapping += list(zip(model.non_trainable_variables, new_non_trainable))
+            if optimizer_vars is not None and model.optimizer is not None:
+                mapping += list(zip(model.optimizer.variables, optimizer_vars))
+            with keras.StatelessScope(state_mapping=mapping):
+                context = TermContext(model, x, y, y_pred, sample_weight, training, activations)
+                values = [ops.cast(v, "float32") for v in model.compute_terms(list(terms), context)]
+            if values:
+                loss = loss + ops.cast(sum(values[1:], values[0]), loss.dtype)
+        unscaled = loss
+        if training and model.optimizer is not None:
+            mapping = list(zip(model.optimizer.variables, optimizer_vars))
+            with keras.StatelessScope(state_mapping=mapping):
+                loss = model.optimizer.scale_loss(loss)
+        return loss, (unscaled, y_pred, new_non_trainable, metrics, values[: len(terms)])
+
+    return compute
+
+
+def update_term_trackers(
+    model: keras.Model,
+    metrics_variables: Sequence[Any],
+    trackers: Sequence[Any],
+    values: Sequence[Any],
+    n: int,
+) -> list[Any]:
+    """The metrics variables after each term tracker saw its value (weight `n`).
+
+    Args:
+        model: the model (its `metrics_variables` are the reference variables).
+        metrics_variables: their current values.
+        trackers: the terms' `Mean` trackers, in term order.
+        values: the terms' weighted values, in the same order.
+        n: the batch's number of samples (each value's weight, as `loss`'s).
+
+    Returns:
+        The new values of `model.metrics_variables`, in order.
+    """
+    references = model.metrics_variables
+    with keras.StatelessScope(state_mapping=list(zip(references, metrics_variables))) as scope:
+        for tracker, value in zip(trackers, values):
+            tracker.update_state(value, sample_weight=n)
+    out = []
+    for reference, value in zip(references, metrics_variables):
+        new = scope.get_current_value(reference)
+        out.append(value if new is None else new)
+    return out
