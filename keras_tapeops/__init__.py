@@ -34,12 +34,14 @@ from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
+from keras_tapeops.sam import SAM  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
+from keras_tapeops.transforms.observe import LogGradientNorm  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
@@ -59,14 +61,12 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.gan import WGANGradientPenalty  # noqa: E402
     from keras_tapeops.meta import MetaLearner  # noqa: E402
     from keras_tapeops.penalty import gradient_penalty  # noqa: E402
-    from keras_tapeops.sam import SAM  # noqa: E402
     from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
     from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
     from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
     from keras_tapeops.terms.adversarial import TRADES  # noqa: E402
     from keras_tapeops.terms.adversarial import AdversarialLoss  # noqa: E402
     from keras_tapeops.transforms.finite import SkipNonFinite  # noqa: E402
-    from keras_tapeops.transforms.observe import LogGradientNorm  # noqa: E402
     from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
     from keras_tapeops import physics  # noqa: E402  (kt.physics.BoxSampler, ...)
     from keras_tapeops.derivatives import input_derivatives  # noqa: E402

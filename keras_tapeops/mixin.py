@@ -28,7 +28,7 @@ from keras_tapeops import adversarial_training
 from keras_tapeops import forward
 from keras_tapeops import groups
 from keras_tapeops import name_checks
-from keras_tapeops import sam
+from keras_tapeops import sam_step
 from keras_tapeops import step_gate
 from keras_tapeops import step_watch
 from keras_tapeops import true_gradients
@@ -206,7 +206,7 @@ class TapeOpsMixin(SavingMethods, MetricsMethods, StepFunctionMethods, CustomSte
             return self.batch_gradients(x, y, sample_weight)
 
         if options is not None and options.sharpness_aware is not None:
-            return sam.sharpness_aware_gradients(
+            return sam_step.sharpness_aware_gradients(
                 self,
                 options.sharpness_aware,
                 # Compiled with the mixin's compile, so the state exists.

@@ -22,22 +22,26 @@ batch; the paper's per-replica m-sharpness is not used. With `micro_batches`,
 both passes run over the micro-batches (the perturbation comes from the whole
 batch's gradient); with `accumulation_steps`, every batch is perturbed by its
 own gradient and the windows sum the second gradients.
+
+The configuration and the perturbation's math (`keras.ops`, any backend) are
+here; the TensorFlow step is `sam_step.py`, the JAX step is in
+`backend/jax/mixin.py`.
 """
 
 from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import selectors
-from keras_tapeops import true_gradients
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
-from keras_tapeops.accumulation.batch_norm import moving_statistics
+from keras_tapeops.transforms.clipping import add_n
 from keras_tapeops.transforms.clipping import squared_norm
+from keras_tapeops.transforms.sparse import dense
 
 
 @register
@@ -81,7 +85,7 @@ class SAM(ConfigRepr):
 
         Args:
             grads: true gradients (dense or IndexedSlices, None allowed).
-            variables: the matching variables.
+            variables: the matching variables (or their values).
             selected: list of bools.
 
         Returns:
@@ -92,23 +96,23 @@ class SAM(ConfigRepr):
             if not on or g is None:
                 scaled.append(None)
                 continue
-            g = tf.cast(tf.convert_to_tensor(g), "float32")
+            g = ops.cast(dense(g), "float32")
             if self.adaptive:
-                g = g * tf.abs(tf.cast(tf.convert_to_tensor(v), "float32"))
+                g = g * ops.abs(ops.cast(v, "float32"))
             scaled.append(g)
         present = [s for s in scaled if s is not None]
         if not present:
             return scaled
-        norm = tf.sqrt(tf.add_n([squared_norm(s) for s in present]))
-        factor = self.rho / tf.maximum(norm, 1e-12)
+        norm = ops.sqrt(add_n([squared_norm(s) for s in present]))
+        factor = self.rho / ops.maximum(norm, 1e-12)
         out: list[Any] = []
         for s, v in zip(scaled, variables):
             if s is None:
                 out.append(None)
                 continue
             if self.adaptive:
-                s = s * tf.abs(tf.cast(tf.convert_to_tensor(v), "float32"))
-            out.append(tf.cast(s * factor, v.dtype))
+                s = s * ops.abs(ops.cast(v, "float32"))
+            out.append(ops.cast(s * factor, v.dtype))
         return out
 
     def get_config(self) -> dict[str, Any]:
@@ -123,49 +127,3 @@ class SAM(ConfigRepr):
         config = dict(config)
         config["where"] = selectors.deserialize_selector(config.get("where"))
         return cls(**config)
-
-
-def sharpness_aware_gradients(model, sam, selection, gradient_pass):
-    """Runs the two passes of one SAM step; returns `(grads, y_pred)`.
-
-    Args:
-        model: the keras_tapeops model (its optimizer gives the loss scale).
-        sam: the `SAM` configuration.
-        selection: `() -> list of bools`: the model's bound selection for
-            `sam` (asked after the first pass, which builds a lazy model).
-        gradient_pass: `() -> (grads, y_pred)`: one logged forward/backward
-            pass over the batch (micro-batched if asked); called twice.
-
-    Returns:
-        The second pass's gradients (per replica, optimizer-scaled, as
-        `gradient_pass` returns them) and the first pass's predictions.
-    """
-    optimizer = model.optimizer
-    if optimizer is not None and not optimizer.built and model.built:
-        # Its loss scale must be a variable before either pass scales a loss.
-        optimizer.build(model.trainable_variables)
-    grads, y_pred = gradient_pass()
-    variables = model.trainable_variables
-    true, _ = true_gradients.sum_over_replicas(grads)
-    scale = true_gradients.loss_scale(model.optimizer) if model.optimizer else None
-    if scale is not None:
-        true = [true_gradients.map_values(g, lambda t: t / tf.cast(scale, t.dtype)) for g in true]
-    perturbation = sam.perturbation(true, variables, selection())
-    saved = [
-        tf.identity(tf.convert_to_tensor(v)) if e is not None else None
-        for v, e in zip(variables, perturbation)
-    ]
-    for v, e in zip(variables, perturbation):
-        if e is not None:
-            v.assign_add(e)
-    statistics = moving_statistics(model)
-    with model.tapeops_unlogged():
-        grads, _ = gradient_pass()
-    # Automatic control dependencies order these writes after the second
-    # pass's reads of the same variables.
-    for v, old in zip(variables, saved):
-        if old is not None:
-            v.assign(old)
-    for m, old in statistics:
-        m.assign(old)
-    return grads, y_pred

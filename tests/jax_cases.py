@@ -43,11 +43,13 @@ from jax_models import (  # noqa: E402
     data,
     decayed_optimizer,
     grouped_optimizers,
+    logged_transforms,
     loss_terms,
     make_batch_norm,
     make_mlp,
     make_regularized,
     sample_weights,
+    sam_cases,
     transforms,
     with_extra_term,
 )
@@ -250,6 +252,35 @@ def main():
         except ValueError as error:
             report[f"{name}_refusal"] = str(error)
 
+    # LogGradientNorm: logged in training only, on one device and two.
+    model = compiled(make_mlp(init), gradient_transforms=logged_transforms(kt))
+    save_case(out, "log_norms", model, fit(model, x, y, validation_data=(x[:32], y[:32])))
+    report["log_norms_evaluate"] = sorted(model.evaluate(x, y, verbose=0, return_dict=True))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=logged_transforms(kt))
+        save_case(out, "log_norms_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+
+    # SAM: plain, adaptive on a selection with the clip groups, with
+    # micro-batches, with loss terms; on two devices; in mixed precision.
+    for name, options in sam_cases(kt).items():
+        model = compiled(make_mlp(init), **options)
+        save_case(out, name, model, fit(model, x, y))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), **sam_cases(kt)["sam"])
+        save_case(out, "sam_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(make_mlp(init), **sam_cases(kt)["sam"])
+        save_case(out, "sam_mixed", model, fit(model, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
     # Optimizer groups and layer-wise decay (stock MultiOptimizer underneath).
     model = make_mlp(init)
     model.compile(
@@ -318,7 +349,6 @@ def main():
     refusals = {}
     for option, value in [
         ("accumulation_steps", 4),
-        ("sharpness_aware", "a SAM"),
         ("differential_privacy", "a DPSGD"),
         ("task_balancing", "a PCGrad"),
         ("sample_selection", "a TopLoss"),

@@ -154,3 +154,25 @@ def with_extra_term(kt, init):
     model.build((None, 8))
     model.set_weights(init)
     return model
+
+
+def logged_transforms(kt):
+    """The clip groups between two LogGradientNorm (one with its epoch max)."""
+    return (
+        [kt.LogGradientNorm(name="raw_norm", log_max=True)]
+        + transforms(kt)
+        + [kt.LogGradientNorm(where="body*", name="clipped_body_norm")]
+    )
+
+
+def sam_cases(kt):
+    """SAM configurations both backends train (name -> compile kwargs)."""
+    return {
+        "sam": {"sharpness_aware": kt.SAM(rho=0.1)},
+        "asam_where_clip": {
+            "sharpness_aware": kt.SAM(rho=0.5, adaptive=True, where="body*"),
+            "gradient_transforms": transforms(kt),
+        },
+        "sam_micro": {"sharpness_aware": kt.SAM(rho=0.1), "micro_batches": 3},
+        "sam_terms": {"sharpness_aware": kt.SAM(rho=0.1), "loss_terms": loss_terms(kt)},
+    }

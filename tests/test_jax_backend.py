@@ -28,9 +28,11 @@ from jax_models import (
     decayed_optimizer,
     grouped_optimizers,
     initial_weights,
+    logged_transforms,
     loss_terms,
     make_batch_norm,
     make_mlp,
+    sam_cases,
     transforms,
     with_extra_term,
 )
@@ -85,6 +87,10 @@ def runs(tmp_path_factory):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt))
         _tf_fit(model, x, y)
         tf_runs["terms_mixed"] = (model.get_weights(), None)
+        model = make_mlp(init)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **sam_cases(kt)["sam"])
+        _tf_fit(model, x, y)
+        tf_runs["sam_mixed"] = (model.get_weights(), None)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model = make_mlp(init)
@@ -128,6 +134,24 @@ def runs(tmp_path_factory):
         validation_data=(x[:32], y[:32]),
     ).history
     tf_runs["terms"] = (model.get_weights(), history)
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=logged_transforms(kt)
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:32], y[:32]),
+    ).history
+    tf_runs["log_norms"] = (model.get_weights(), history)
+    for name, options in sam_cases(kt).items():
+        model = make_mlp(init)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **options)
+        tf_runs[name] = (model.get_weights(), _tf_fit(model, x, y))
     model = with_extra_term(kt, init)
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt)[:1])
     _tf_fit(model, x, y)
@@ -326,6 +350,45 @@ def test_loss_terms_equal_tensorflow_with_history_and_validation(runs):
     assert _max_diff(_jax(out, "extra_term")[0], tf_runs["extra_term"][0]) <= 1e-5
 
 
+def test_log_gradient_norm_equals_tensorflow_and_is_training_only(runs):
+    out, tf_runs = runs
+    weights, history = _jax(out, "log_norms")
+    tf_weights, tf_history = tf_runs["log_norms"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert (
+        sorted(history)
+        == sorted(tf_history)
+        == ["clipped_body_norm", "loss", "raw_norm", "raw_norm_max", "val_loss"]
+    )
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    assert np.all(history["raw_norm_max"] > history["raw_norm"])
+    data_parallel, data_parallel_history = _jax(out, "log_norms_data_parallel")
+    assert _max_diff(data_parallel, weights) <= 1e-5
+    np.testing.assert_allclose(data_parallel_history["raw_norm"], history["raw_norm"], rtol=1e-5)
+    report = json.loads((out / "report.json").read_text())
+    assert report["log_norms_evaluate"] == ["loss"]
+
+
+@pytest.mark.parametrize("case", ["sam", "asam_where_clip", "sam_micro", "sam_terms"])
+def test_sharpness_aware_equals_tensorflow(runs, case):
+    out, tf_runs = runs
+    weights, history = _jax(out, case)
+    tf_weights, tf_history = tf_runs[case]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history)
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+
+
+def test_sharpness_aware_on_two_devices_in_mixed_precision_and_can_fail(runs):
+    out, tf_runs = runs
+    sam, _ = _jax(out, "sam")
+    assert _max_diff(_jax(out, "sam_data_parallel")[0], sam) <= 1e-5
+    assert _max_diff(_jax(out, "sam_mixed")[0], tf_runs["sam_mixed"][0]) <= 5e-3
+    assert _max_diff(sam, _jax(out, "stock")[0]) > 1e-3  # SAM is not the plain step
+
+
 def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
     out, _ = runs
     loaded = keras.saving.load_model(out / "terms_from_jax.keras")
@@ -355,7 +418,6 @@ def test_loss_terms_jax_cannot_compute_are_refused(runs, case, message):
     "option",
     [
         "accumulation_steps",
-        "sharpness_aware",
         "differential_privacy",
         "task_balancing",
         "sample_selection",

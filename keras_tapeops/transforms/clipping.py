@@ -141,7 +141,7 @@ class ClipByGlobalNorm(GradientTransform):
         ]
         if not group:
             return list(grads)
-        factor = _clip_factor(ops.sqrt(_add_n(group)), self.clip_norm)
+        factor = _clip_factor(ops.sqrt(add_n(group)), self.clip_norm)
         return [scale(g, factor) if on and g is not None else g for g, on in zip(grads, selected)]
 
     def get_config(self) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def _summed_rows(grad, variable):
     return sparse.summed_rows(grad, variable)
 
 
-def _add_n(tensors):
+def add_n(tensors):
     """The sum of a non-empty list of float32 scalars, in list order."""
     total = tensors[0]
     for tensor in tensors[1:]:

@@ -4,7 +4,7 @@ from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import validation
 from keras_tapeops.paths import LayerTree
@@ -12,6 +12,7 @@ from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
 from keras_tapeops.selectors import Selector
+from keras_tapeops.transforms.clipping import add_n
 from keras_tapeops.transforms.clipping import squared_norm
 
 
@@ -70,9 +71,9 @@ class LogGradientNorm(GradientTransform):
             for g, v, on in zip(grads, variables, state.selected)
             if on and g is not None
         ]
-        norm = tf.sqrt(tf.add_n(group)) if group else tf.constant(0.0)
-        finite = tf.cast(tf.math.is_finite(norm), tf.float32)
-        safe = tf.where(finite > 0, norm, 0.0)
+        norm = ops.sqrt(add_n(group)) if group else ops.zeros((), "float32")
+        finite = ops.cast(ops.isfinite(norm), "float32")
+        safe = ops.where(finite > 0, norm, 0.0)
         state.metrics[self.name].update_state(safe, sample_weight=finite)
         if self.log_max:
             state.metrics[self.name + "_max"].update_state(safe)
@@ -101,10 +102,10 @@ class EpochMax(keras.metrics.Metric):
         )
 
     def update_state(self, value):
-        self.value.assign(tf.maximum(self.value, tf.cast(value, self.value.dtype)))
+        self.value.assign(ops.maximum(self.value, ops.cast(value, self.value.dtype)))
 
     def result(self):
-        return tf.identity(self.value)
+        return ops.copy(self.value)  # a read, not the variable itself (TF)
 
     def reset_state(self):
         self.value.assign(0.0)

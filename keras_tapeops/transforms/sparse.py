@@ -26,6 +26,15 @@ def is_sparse(grad: object) -> bool:
     return tf is not None and isinstance(grad, tf.IndexedSlices)
 
 
+def dense(grad: Any) -> Any:
+    """`grad` as a dense tensor (an IndexedSlices is converted; others as they are)."""
+    if not is_sparse(grad):
+        return grad
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(grad)
+
+
 def summed_rows(grad: Any, variable: Any = None) -> tuple[Any, Any]:
     """Dense float32 rows of an IndexedSlices (repeats summed) and row counts.
 

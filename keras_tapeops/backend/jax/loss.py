@@ -13,8 +13,10 @@ sees this step's values), and scales the total for mixed precision.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from typing import Callable
+from typing import Iterator
 from typing import Sequence
 
 import keras
@@ -102,6 +104,38 @@ def loss_function(
     return compute
 
 
+@contextlib.contextmanager
+def updating_metrics(model: keras.Model, metrics_variables: Sequence[Any]) -> Iterator[list[Any]]:
+    """Metric updates inside the block are stateless; yields their new values.
+
+    Inside the block the model's metrics variables read `metrics_variables`
+    (a `keras.StatelessScope`), so `metric.update_state(...)` works in the
+    jitted step; the yielded list holds the new values of
+    `model.metrics_variables`, in order, once the block ends.
+
+    Args:
+        model: the model (its `metrics_variables` are the reference variables).
+        metrics_variables: their current values.
+
+    Yields:
+        A list, filled with the new values when the block exits.
+
+    Example:
+    ```python
+    with updating_metrics(model, metrics_vars) as new_metrics_vars:
+        tracker.update_state(value)
+    ```
+    """
+    references = model.metrics_variables
+    new_values = list(metrics_variables)
+    with keras.StatelessScope(state_mapping=list(zip(references, metrics_variables))) as scope:
+        yield new_values
+    for i, reference in enumerate(references):
+        value = scope.get_current_value(reference)
+        if value is not None:
+            new_values[i] = value
+
+
 def update_term_trackers(
     model: keras.Model,
     metrics_variables: Sequence[Any],
@@ -121,12 +155,7 @@ def update_term_trackers(
     Returns:
         The new values of `model.metrics_variables`, in order.
     """
-    references = model.metrics_variables
-    with keras.StatelessScope(state_mapping=list(zip(references, metrics_variables))) as scope:
+    with updating_metrics(model, metrics_variables) as new_values:
         for tracker, value in zip(trackers, values):
             tracker.update_state(value, sample_weight=n)
-    out = []
-    for reference, value in zip(references, metrics_variables):
-        new = scope.get_current_value(reference)
-        out.append(value if new is None else new)
-    return out
+    return new_values

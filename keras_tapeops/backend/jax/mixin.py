@@ -50,6 +50,7 @@ class JaxModelState:
     def __init__(self, model: keras.Model, options: TapeOpsOptions) -> None:
         self.options = options
         self.transforms: list[Any] = []
+        self.sam_selected: list[bool] | None = None  # the SAM option's selection
         self._bound_to: int | None = None
         tree = LayerTree(model)
         self.terms = [(term, term.bind(model, tree)) for term in options.loss_terms]
@@ -69,11 +70,20 @@ class JaxModelState:
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
-        """The term trackers, in term order."""
-        return list(self.term_trackers.values())
+        """The term trackers, then the bound transforms' metrics."""
+        return list(self.term_trackers.values()) + self.training_only_metrics
+
+    @property
+    def training_only_metrics(self) -> list[keras.metrics.Metric]:
+        """The transforms' metrics (e.g. `kt.LogGradientNorm`): not in evaluation."""
+        return [m for _, s in self.transforms for m in s.metrics.values()]
 
     def bind(self, model: keras.Model) -> list[Any]:
-        """Binds the transforms to `model`'s trainable variables once; returns them."""
+        """Binds the transforms (and SAM's selection) to `model`'s trainable variables once.
+
+        Returns:
+            The bound `(transform, state)` pairs.
+        """
         variables = model.trainable_variables
         if self._bound_to != len(variables):
             tree = LayerTree(model)
@@ -82,6 +92,9 @@ class JaxModelState:
                 state = transform.bind(model, variables, tree)
                 check_bound_state(transform, state)
                 bound.append((transform, state))
+            sam = self.options.sharpness_aware
+            if sam is not None:
+                self.sam_selected = sam.bind(model, variables, tree)
             self.transforms, self._bound_to = bound, len(variables)
         return self.transforms
 
@@ -127,6 +140,8 @@ class TapeOpsMixin(SavingMethods):
             batch_norm_updates: `"per_micro_batch"` (needed on JAX when
                 the model has BatchNormalization layers and
                 `micro_batches > 1`).
+            sharpness_aware: None or a `kt.SAM`: two passes per step, the
+                second at the perturbed weights.
             loss_terms: list of `kt.LossTerm`, `kt.ActivationPenalty` or
                 your own `kt.Term`, added to the loss from the same forward
                 pass and logged under their names.
@@ -168,9 +183,11 @@ class TapeOpsMixin(SavingMethods):
         options = self.tapeops_options
         has_transforms = options is not None and bool(options.gradient_transforms)
         split = options is not None and options.micro_batches > 1
+        sam = options is not None and options.sharpness_aware is not None
         return (
             has_transforms
             or split
+            or sam
             or self._tapeops_changes_loss(training=True)
             or overrides(self, "transform_gradients")
         )
@@ -214,6 +231,21 @@ class TapeOpsMixin(SavingMethods):
         terms = self.tapeops_state.active_terms(training) if self.tapeops_state else []
         return jax_loss.loss_function(self, forward, terms, training)
 
+    def make_train_function(self, force: bool = False) -> Any:
+        """Binds the transforms (their metrics join the JAX state), then Keras's."""
+        self._tapeops_bind()
+        return super().make_train_function(force)
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """Binds the transforms (their metrics join the JAX state), then Keras's."""
+        self._tapeops_bind()
+        return super().make_test_function(force)
+
+    def _tapeops_bind(self) -> None:
+        state = self.tapeops_state
+        if state is not None and self.built:
+            state.bind(self)
+
     def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
         """Term trackers, then Keras's own loss tracker and compiled metrics."""
         if values:
@@ -225,12 +257,26 @@ class TapeOpsMixin(SavingMethods):
         logs, metrics_vars = jax_trainer.update_metrics_variables(
             self, metrics_vars, loss, x, y, y_pred, sample_weight
         )
-        if not training and self.tapeops_state is not None:
-            logs = dict(logs)
-            for term, _ in self.tapeops_state.terms:
-                if not term.in_validation:  # not computed in evaluation: no val_<name>
-                    logs.pop(term.name, None)
+        if not training:
+            logs = self._without_training_only(logs)
         return logs, metrics_vars
+
+    def _without_training_only(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """Evaluation logs without what only a training step computes.
+
+        A term with `in_validation=False` and the transforms' metrics (as
+        gradient norms) are not updated in evaluation: no `val_<name>`.
+        """
+        state = self.tapeops_state
+        if state is None:
+            return logs
+        logs = dict(logs)
+        for term, _ in state.terms:
+            if not term.in_validation:
+                logs.pop(term.name, None)
+        for metric in state.training_only_metrics:
+            logs.pop(metric.name, None)
+        return logs
 
     @default_hook
     def train_step(self, state: Any, data: Any) -> tuple[dict[str, Any], Any]:
@@ -252,7 +298,13 @@ class TapeOpsMixin(SavingMethods):
             trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
         )
         unscaled_loss, y_pred, non_trainable, metrics_vars, values = aux
-        grads = self._true_transformed(list(grads), list(trainable), optimizer_vars)
+        if self.tapeops_options is not None and self.tapeops_options.sharpness_aware is not None:
+            grads = self._sharpness_aware_gradients(
+                grad_fn, grads, (trainable, non_trainable, metrics_vars, optimizer_vars), data
+            )
+        grads, metrics_vars = self._true_transformed(
+            list(grads), list(trainable), optimizer_vars, metrics_vars
+        )
         trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
         logs, metrics_vars = self._log(
             metrics_vars, unscaled_loss, x, y, y_pred, sample_weight, values, training=True
@@ -271,7 +323,8 @@ class TapeOpsMixin(SavingMethods):
             `(logs, state)` as Keras's JAX trainer expects.
         """
         if not self._tapeops_changes_loss(training=False):
-            return super().test_step(state, data)  # the stock step, exactly
+            logs, state = super().test_step(state, data)  # the stock step, exactly
+            return self._without_training_only(logs), state
         trainable, non_trainable, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         _, aux = self._loss_function(training=False)(
@@ -303,23 +356,60 @@ class TapeOpsMixin(SavingMethods):
         step = self.optimizer.iterations if self.optimizer is not None else 0
         return weighted_term_values(terms, context, step)
 
-    def _true_transformed(self, grads, values, optimizer_vars):
+    def _sharpness_aware_gradients(self, grad_fn, grads, state, data):
+        """SAM's second pass: the gradient at the perturbed weights (see `kt.SAM`).
+
+        The perturbation `e` comes from the first pass's true gradients
+        (unscaled under mixed precision; the global batch's under
+        `DataParallel`); the second pass runs from the first pass's
+        non-trainable state and what it updates (moving statistics,
+        metrics, term trackers) is dropped: nothing is logged twice.
+        The optimizer then applies the second gradient to the unperturbed
+        weights.
+        """
+        trainable, non_trainable, metrics_vars, optimizer_vars = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        scale = self._loss_scale(optimizer_vars)
+        true = list(grads)
+        if scale is not None:
+            true = [g if g is None else g / ops.cast(scale, g.dtype) for g in true]
+        tapeops_state = self.tapeops_state
+        self._tapeops_bind()
+        perturbation = self.tapeops_options.sharpness_aware.perturbation(
+            true, list(trainable), tapeops_state.sam_selected
+        )
+        perturbed = [w if e is None else w + e for w, e in zip(trainable, perturbation)]
+        _, second = grad_fn(
+            perturbed, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
+        )
+        return second
+
+    def _loss_scale(self, optimizer_vars):
+        """The LossScaleOptimizer's current scale in this step (None without one)."""
+        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return None
+        mapping = list(zip(self.optimizer.variables, optimizer_vars))
+        with keras.StatelessScope(state_mapping=mapping):
+            return ops.convert_to_tensor(self.optimizer.dynamic_scale)
+
+    def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
         """Unscales (mixed precision), transforms, and rescales the gradients.
+
+        Returns `(grads, metrics_vars)`: the transforms' metrics (a
+        `kt.LogGradientNorm`) are updated statelessly.
 
         The LossScaleOptimizer divides by its scale again in `stateless_apply`
         and skips a non-finite step, as on TensorFlow; the scale is a power
         of two, so unscaling and rescaling are exact.
         """
-        scale = None
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            mapping = list(zip(self.optimizer.variables, optimizer_vars))
-            with keras.StatelessScope(state_mapping=mapping):
-                scale = ops.convert_to_tensor(self.optimizer.dynamic_scale)
+        scale = self._loss_scale(optimizer_vars)
+        if scale is not None:
             grads = [g if g is None else g / ops.cast(scale, g.dtype) for g in grads]
-        grads = self.transform_gradients(grads, values)
+        with jax_loss.updating_metrics(self, metrics_vars) as metrics_vars:
+            grads = self.transform_gradients(grads, values)
         if scale is not None:
             grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in grads]
-        return grads
+        return grads, metrics_vars
 
     @default_hook
     def transform_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:

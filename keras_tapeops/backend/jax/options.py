@@ -15,13 +15,27 @@ from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm
 from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
+from keras_tapeops.transforms.observe import LogGradientNorm
 
 #: The compile options the JAX step applies (the others are refused).
-JAX_OPTIONS = ("gradient_transforms", "loss_terms", "micro_batches", "batch_norm_updates")
+JAX_OPTIONS = (
+    "gradient_transforms",
+    "loss_terms",
+    "micro_batches",
+    "batch_norm_updates",
+    "sharpness_aware",
+)
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
 #: is too when it keeps no training state and gates no step.
-JAX_TRANSFORMS = (ClipByNorm, ClipByGlobalNorm, ClipByValue, AdaptiveClip, CentralizeGradients)
+JAX_TRANSFORMS = (
+    ClipByNorm,
+    ClipByGlobalNorm,
+    ClipByValue,
+    AdaptiveClip,
+    CentralizeGradients,
+    LogGradientNorm,
+)
 
 #: The built-in loss terms available on JAX; a user's own `kt.Term` is too
 #: when it does not ask for input gradients.
@@ -31,7 +45,7 @@ JAX_TERMS = (LossTerm, ActivationPenalty)
 def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
-        "keras_tapeops supports micro_batches, kt.optimizer_groups, "
+        "keras_tapeops supports micro_batches, sharpness_aware=kt.SAM(...), kt.optimizer_groups, "
         "kt.layerwise_lr_decay, loss_terms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
         + " and your own kt.Term, and gradient_transforms with "
@@ -116,10 +130,13 @@ def check_jax_transform(transform: GradientTransform) -> None:
 
 
 def check_bound_state(transform: GradientTransform, state: Any) -> None:
-    """Raises ValueError when `bind` created training state or metrics (TF only)."""
-    if state.variables or state.metrics:
+    """Raises ValueError when `bind` created training-state variables (TF only).
+
+    Logged metrics are fine: the JAX step updates them statelessly.
+    """
+    if state.variables:
         _refuse(
             "gradient_transforms",
             [transform],
-            f" with {type(transform).__name__} (its bind() adds training state or metrics)",
+            f" with {type(transform).__name__} (its bind() adds training state)",
         )
