@@ -151,7 +151,8 @@ def runs(tmp_path_factory):
     for name, options in sam_cases(kt).items():
         model = make_mlp(init)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **options)
-        tf_runs[name] = (model.get_weights(), _tf_fit(model, x, y))
+        history = _tf_fit(model, x, y)
+        tf_runs[name] = (model.get_weights(), history)
     model = with_extra_term(kt, init)
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt)[:1])
     _tf_fit(model, x, y)
