@@ -34,6 +34,7 @@ from keras_tapeops.terms.activation import ActivationPenalty  # noqa: E402
 from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
+from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
@@ -63,7 +64,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.penalty import gradient_penalty  # noqa: E402
     from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
     from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
-    from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
     from keras_tapeops.terms.adversarial import TRADES  # noqa: E402
     from keras_tapeops.terms.adversarial import AdversarialLoss  # noqa: E402
     from keras_tapeops.transforms.finite import SkipNonFinite  # noqa: E402

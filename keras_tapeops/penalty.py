@@ -11,14 +11,12 @@ from __future__ import annotations
 import numbers
 from typing import Any
 from typing import Callable
-from typing import Sequence
 
 import tensorflow as tf
 
-from keras_tapeops import validation
+from keras_tapeops.penalty_norm import per_sample_norm
+from keras_tapeops.penalty_norm import validate_target
 from keras_tapeops.typing_aliases import Nested
-
-_TINY = 1e-30
 
 
 def gradient_penalty(
@@ -82,48 +80,6 @@ def gradient_penalty(
     return tf.reduce_mean(tf.square(norm - tf.cast(target, "float32")))
 
 
-def per_sample_norm(grads: Sequence[Any]) -> tf.Tensor:
-    """Per-sample L2 norm of a list of batch-first tensors, taken jointly.
-
-    Safe at zero: the squared norm is clamped below at 1e-30 (so a zero
-    gradient has norm 1e-15, not 0), which makes its derivative 0 there
-    instead of the infinite derivative of `sqrt` at 0: no NaN/inf in double
-    backprop. Norms above 1e-15 are exact.
-
-    Args:
-        grads: list of tensors with the same batch size (None entries, e.g.
-            for inputs the outputs do not depend on, are skipped).
-
-    Returns:
-        A float32 tensor of shape `(batch,)`.
-
-    Example:
-    ```python
-    norm = per_sample_norm([tf.ones((4, 3))])   # [1.732..] * 4
-    ```
-    """
-    squares = []
-    for g in grads:
-        if g is None:
-            continue
-        if g.dtype != tf.float32:
-            g = tf.cast(g, "float32")
-        rank = g.shape.rank
-        if rank is None:
-            g = tf.reshape(g, [tf.shape(g)[0], -1])
-            rank = 2
-        squares.append(tf.reduce_sum(tf.square(g), axis=list(range(1, rank))))
-    if not squares:
-        raise ValueError(
-            "The outputs do not depend on any float input, so there is no input "
-            "gradient to penalize. Received: gradients that are all None"
-        )
-    squared = squares[0] if len(squares) == 1 else tf.add_n(squares)
-    # Below 1e-30 the norm is clamped to 1e-15 and its gradient is 0: exact
-    # elsewhere, and never the infinite derivative of sqrt at 0.
-    return tf.sqrt(tf.maximum(squared, _TINY))
-
-
 def _shape_alpha(alpha, tensor):
     """Makes `alpha` broadcast against `tensor` (a `(batch,)` alpha per sample)."""
     alpha = tf.cast(tf.convert_to_tensor(alpha), tensor.dtype)
@@ -172,11 +128,6 @@ def _validate(critic, real, fake, alpha, target, training):
     validate_target(target)
     if not isinstance(training, bool):
         raise TypeError(f"`training` must be a bool. Received: training={training!r}")
-
-
-def validate_target(target: Any) -> float:
-    """Checks a penalty `target` (a non-negative finite number); returns it as float."""
-    return validation.non_negative_number(target, "target")
 
 
 def _describe(value):

@@ -48,6 +48,7 @@ from jax_models import (  # noqa: E402
     make_batch_norm,
     make_mlp,
     make_regularized,
+    penalty_terms,
     sample_weights,
     sam_cases,
     transforms,
@@ -234,15 +235,12 @@ def main():
     model = compiled(with_extra_term(kt, init), loss_terms=loss_terms(kt)[:1])
     save_case(out, "extra_term", model, fit(model, x, y))
 
-    class NeedsInputs(kt.Term):
-        needs_input_gradients = True
-
-        def call(self, context):
-            return keras.ops.sum(context.input_gradients())
+    # Input-gradient terms (double backprop through a jax.vjp of the forward pass).
+    model = compiled(make_mlp(init), loss_terms=penalty_terms(kt))
+    save_case(out, "penalties", model, fit(model, x, y, validation_data=(x[:32], y[:32])))
 
     scheduled = kt.ActivationPenalty("body1", l2=0.1, weight=lambda step: 0.1)
     for name, options in [
-        ("input_gradients", {"loss_terms": [NeedsInputs()]}),
         ("terms_micro", {"loss_terms": loss_terms(kt)[:1], "micro_batches": 2}),
         ("scheduled_validation", {"loss_terms": [scheduled]}),
     ]:

@@ -176,3 +176,18 @@ def sam_cases(kt):
         "sam_micro": {"sharpness_aware": kt.SAM(rho=0.1), "micro_batches": 3},
         "sam_terms": {"sharpness_aware": kt.SAM(rho=0.1), "loss_terms": loss_terms(kt)},
     }
+
+
+def penalty_terms(kt):
+    """A GradientPenalty (validated too), two other terms, and an own input-gradient term."""
+
+    class InputGradientSquare(kt.Term):
+        needs_input_gradients = True
+
+        def call(self, context):
+            return keras.ops.mean(context.input_gradients() ** 2)  # default: all outputs
+
+    return [
+        kt.GradientPenalty(weight=0.5, target=1.0, in_validation=True),
+        InputGradientSquare(weight=2.0),
+    ] + loss_terms(kt)[:2]

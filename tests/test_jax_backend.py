@@ -32,6 +32,7 @@ from jax_models import (
     loss_terms,
     make_batch_norm,
     make_mlp,
+    penalty_terms,
     sam_cases,
     transforms,
     with_extra_term,
@@ -161,6 +162,18 @@ def runs(tmp_path_factory):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **options)
         history = _tf_fit(model, x, y)
         tf_runs[name] = (model.get_weights(), history)
+    model = make_mlp(init)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=penalty_terms(kt))
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:32], y[:32]),
+    ).history
+    tf_runs["penalties"] = (model.get_weights(), history)
     model = with_extra_term(kt, init)
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt)[:1])
     _tf_fit(model, x, y)
@@ -398,6 +411,19 @@ def test_sharpness_aware_on_two_devices_in_mixed_precision_and_can_fail(runs):
     assert _max_diff(sam, _jax(out, "stock")[0]) > 1e-3  # SAM is not the plain step
 
 
+def test_input_gradient_terms_equal_tensorflow(runs):
+    # kt.GradientPenalty (in validation too) and an own term reading
+    # context.input_gradients() with the default target (all outputs).
+    out, tf_runs = runs
+    weights, history = _jax(out, "penalties")
+    tf_weights, tf_history = tf_runs["penalties"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history)
+    assert {"gradient_penalty", "val_gradient_penalty", "input_gradient_square"} <= set(history)
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+
+
 def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
     out, _ = runs
     loaded = keras.saving.load_model(out / "terms_from_jax.keras")
@@ -407,7 +433,6 @@ def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("input_gradients", "`loss_terms` with NeedsInputs is not available on the JAX backend"),
         ("terms_micro", "`loss_terms` with micro_batches=2 is not available on the JAX backend"),
         (
             "scheduled_validation",

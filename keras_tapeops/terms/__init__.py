@@ -6,19 +6,19 @@ from keras_tapeops.terms.activation import ActivationPenalty
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.custom import LossTerm
+from keras_tapeops.terms.penalty import GradientPenalty
 
 __all__ = [
     "ActivationPenalty",
+    "GradientPenalty",
     "LossTerm",
     "Term",
     "TermContext",
 ]
 
-# The terms that differentiate through the inputs (gradient penalties,
-# attacks) are TensorFlow-only for now; on JAX `compile()` names them.
+# The adversarial terms (attacks on the inputs) are TensorFlow-only for now.
 if keras.backend.backend() == "tensorflow":
     from keras_tapeops.terms.adversarial import TRADES
     from keras_tapeops.terms.adversarial import AdversarialLoss
-    from keras_tapeops.terms.penalty import GradientPenalty
 
-    __all__ += ["AdversarialLoss", "GradientPenalty", "TRADES"]
+    __all__ += ["AdversarialLoss", "TRADES"]

@@ -102,9 +102,11 @@ class TermContext:
         import tensorflow as tf  # the input tape exists on TensorFlow only
 
         if target is None:
-            target = tf.add_n(
-                [tf.reduce_sum(tf.cast(t, "float32")) for t in tf.nest.flatten(self.y_pred)]
-            )
+            # The outputs the inner tape recorded (a sum computed here, after
+            # the forward pass, would not be on the tape); TF sums a list.
+            target = [
+                t for t in tf.nest.flatten(self.y_pred) if t is not None and t.dtype.is_floating
+            ]
         flat = tf.nest.flatten(self.x)
         watched = self._watched_inputs
         grads = self._input_tape.gradient(target, [t for t, w in zip(flat, watched) if w])

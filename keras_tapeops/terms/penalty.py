@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
+import keras
+from keras import ops
 
-from keras_tapeops.penalty import per_sample_norm
-from keras_tapeops.penalty import validate_target
+from keras_tapeops.penalty_norm import per_sample_norm
+from keras_tapeops.penalty_norm import validate_target
 from keras_tapeops.registration import register
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
@@ -60,18 +61,18 @@ class GradientPenalty(Term):
         super().__init__(weight=weight, name=name, in_validation=in_validation)
         self.target = validate_target(target)
 
-    def call(self, context: TermContext) -> tf.Tensor:
+    def call(self, context: TermContext) -> Any:
         """Returns the unweighted penalty for the context's batch (float32)."""
         # The outputs themselves are the targets (the inner tape recorded
         # them); TF sums a list of targets.
         outputs = [
             t
-            for t in tf.nest.flatten(context.y_pred)
-            if t is not None and tf.as_dtype(t.dtype).is_floating
+            for t in keras.tree.flatten(context.y_pred)
+            if t is not None and keras.backend.is_float_dtype(t.dtype)
         ]
         grads = context.input_gradients(target=outputs)
-        norm = per_sample_norm(tf.nest.flatten(grads))
-        return tf.reduce_mean(tf.square(norm - self.target))
+        norm = per_sample_norm(keras.tree.flatten(grads))
+        return ops.mean(ops.square(norm - self.target))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

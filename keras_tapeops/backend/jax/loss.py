@@ -19,6 +19,7 @@ from typing import Callable
 from typing import Iterator
 from typing import Sequence
 
+import jax
 import keras
 from keras import ops
 
@@ -67,10 +68,17 @@ def loss_function(
     ```
     """
     layers = [layer for term, state in terms for layer in term.layers_to_capture(state)]
+    wants_input_gradients = any(term.needs_input_gradients for term, _ in terms)
 
     def compute(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars):
-        with capture.recording_outputs(layers) as activations:
-            y_pred, new_non_trainable, losses = forward(trainable, non_trainable, x)
+        input_gradients = None
+        if wants_input_gradients:
+            y_pred, new_non_trainable, losses, activations, input_gradients = _input_vjp(
+                forward, layers, trainable, non_trainable, x
+            )
+        else:
+            with capture.recording_outputs(layers) as activations:
+                y_pred, new_non_trainable, losses = forward(trainable, non_trainable, x)
         loss, new_non_trainable, metrics = jax_trainer.stateless_loss(
             model,
             trainable,
@@ -90,7 +98,9 @@ def loss_function(
             if optimizer_vars is not None and model.optimizer is not None:
                 mapping += list(zip(model.optimizer.variables, optimizer_vars))
             with keras.StatelessScope(state_mapping=mapping):
-                context = TermContext(model, x, y, y_pred, sample_weight, training, activations)
+                context = JaxTermContext(
+                    model, x, y, y_pred, sample_weight, training, activations, input_gradients
+                )
                 values = [ops.cast(v, "float32") for v in model.compute_terms(list(terms), context)]
             if values:
                 loss = loss + ops.cast(sum(values[1:], values[0]), loss.dtype)
@@ -102,6 +112,89 @@ def loss_function(
         return loss, (unscaled, y_pred, new_non_trainable, metrics, values[: len(terms)])
 
     return compute
+
+
+class JaxTermContext(TermContext):
+    """`kt.TermContext` on JAX: input gradients come from a `jax.vjp` of the forward pass.
+
+    Args:
+        model, x, y, y_pred, sample_weight, training, activations: as
+            `kt.TermContext`.
+        input_gradients: `cotangent -> gradient w.r.t. x` (the forward
+            pass's VJP over its float inputs), or None when no term asked.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        x: Any,
+        y: Any,
+        y_pred: Any,
+        sample_weight: Any,
+        training: bool,
+        activations: dict[int, list[Any]],
+        input_gradients: Callable[[Any], Any] | None,
+    ) -> None:
+        super().__init__(model, x, y, y_pred, sample_weight, training, activations)
+        self._input_gradients_fn = input_gradients
+
+    def input_gradients(self, target: Any = None) -> Any:
+        """Gradient of the sum of `target` (default: all outputs) w.r.t. the inputs.
+
+        On JAX `target` is the model's outputs or some of them (tensors of
+        `context.y_pred`), or None for all float outputs; the gradient is
+        differentiable w.r.t. the weights (double backprop).
+        """
+        if self._input_gradients_fn is None:
+            raise ValueError("input_gradients() needs a term with needs_input_gradients=True.")
+        leaves = keras.tree.flatten(self.y_pred)
+        floats = [t for t in leaves if t is not None and keras.backend.is_float_dtype(t.dtype)]
+        chosen = floats if target is None else keras.tree.flatten(target)
+        for tensor in chosen:
+            if not any(tensor is leaf for leaf in leaves):
+                raise ValueError(
+                    "On the JAX backend, input_gradients(target) takes the model's "
+                    "outputs (tensors of context.y_pred), or None for all of them. "
+                    f"Received: target={target!r}"
+                )
+        cotangent = [
+            None
+            if t is None
+            else (ops.ones_like(t) if any(t is c for c in chosen) else ops.zeros_like(t))
+            for t in leaves
+        ]
+        return self._input_gradients_fn(keras.tree.pack_sequence_as(self.y_pred, cotangent))
+
+
+def _input_vjp(forward, layers, trainable, non_trainable, x):
+    """The forward pass under `jax.vjp` over the float inputs (for input gradients).
+
+    Returns:
+        `(y_pred, non_trainable, losses, activations, input_gradients)`:
+        the recorded layer outputs come back as the VJP's auxiliary output,
+        and `input_gradients(cotangent)` has `x`'s structure (None for
+        non-float inputs).
+    """
+    flat = keras.tree.flatten(x)
+    watched = [t is not None and keras.backend.is_float_dtype(t.dtype) for t in flat]
+
+    def run(*inputs):
+        given = iter(inputs)
+        xx = keras.tree.pack_sequence_as(
+            x, [next(given) if w else t for t, w in zip(flat, watched)]
+        )
+        with capture.recording_outputs(layers) as records:
+            y_pred, new_non_trainable, losses = forward(trainable, non_trainable, xx)
+        return y_pred, (new_non_trainable, losses, {k: list(v) for k, v in records.items()})
+
+    primals = [t for t, w in zip(flat, watched) if w]
+    y_pred, vjp, (new_non_trainable, losses, activations) = jax.vjp(run, *primals, has_aux=True)
+
+    def input_gradients(cotangent):
+        grads = iter(vjp(cotangent))
+        return keras.tree.pack_sequence_as(x, [next(grads) if w else None for w in watched])
+
+    return y_pred, new_non_trainable, losses, activations, input_gradients
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.terms.activation import ActivationPenalty
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.custom import LossTerm
+from keras_tapeops.terms.penalty import GradientPenalty
 from keras_tapeops.transforms.adaptive import AdaptiveClip
 from keras_tapeops.transforms.adaptive import CentralizeGradients
 from keras_tapeops.transforms.base import GradientTransform
@@ -37,9 +38,8 @@ JAX_TRANSFORMS = (
     LogGradientNorm,
 )
 
-#: The built-in loss terms available on JAX; a user's own `kt.Term` is too
-#: when it does not ask for input gradients.
-JAX_TERMS = (LossTerm, ActivationPenalty)
+#: The built-in loss terms available on JAX; a user's own `kt.Term` is too.
+JAX_TERMS = (LossTerm, ActivationPenalty, GradientPenalty)
 
 
 def _refuse(name: str, value: Any, what: str = "") -> None:
@@ -98,9 +98,7 @@ def check_jax_term(term: Term) -> None:
         term: a `kt.Term`.
     """
     cls = type(term)
-    if not isinstance(term, JAX_TERMS) and (
-        cls.__module__.startswith("keras_tapeops.") or term.needs_input_gradients
-    ):
+    if not isinstance(term, JAX_TERMS) and cls.__module__.startswith("keras_tapeops."):
         _refuse("loss_terms", [term], f" with {cls.__name__}")
     if callable(term.weight) and term.in_validation:
         # The JAX evaluation step has no optimizer state to read the step from.
