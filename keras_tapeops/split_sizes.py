@@ -8,6 +8,10 @@ and the JAX scan (backend/jax/micro_batches.py) both follow it.
 
 from __future__ import annotations
 
+from typing import Any
+
+import keras
+
 
 def micro_batch_sizes(n: int, k: int) -> list[int]:
     """The micro-batch sizes for a batch of `n` samples split `k` ways (Python ints).
@@ -55,3 +59,22 @@ def equal_size_groups(n: int, k: int) -> list[tuple[int, int, int]]:
             out.append((start, 1, size))
         start += size
     return out
+
+
+def static_batch_size(x: Any) -> int:
+    """The number of samples in batch `x` (its first non-None leaf's first dimension).
+
+    Args:
+        x: a batch's inputs (any Keras nested structure), with a static
+            batch dimension (as every JAX batch has).
+
+    Returns:
+        The batch size, an int.
+
+    Example:
+    ```python
+    static_batch_size({"a": np.zeros((8, 3)), "b": None})  # 8
+    ```
+    """
+    leaves = [t for t in keras.tree.flatten(x) if t is not None]
+    return int(leaves[0].shape[0])

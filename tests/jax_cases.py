@@ -74,8 +74,28 @@ def compiled(model, jit_compile=True, **options):
     return model
 
 
-def hand_written_clip_loop(init, x, y):
-    """The seed-style JAX loop: `jax.grad`, clip per selection, SGD apply (jitted)."""
+def _clipped(grads, layers):
+    """The three clip groups of `jax_models.transforms`, written out."""
+    out = []
+    body = [g for g, name in zip(grads, layers) if name.startswith("body")]
+    global_norm = jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in body))
+    for g, name in zip(grads, layers):
+        if name == "head":  # ClipByNorm(0.05, where="head")
+            g = g * 0.05 / jax.numpy.maximum(jax.numpy.linalg.norm(g.ravel()), 0.05)
+        if name.startswith("body"):  # ClipByGlobalNorm(0.5, where="body*")
+            g = g * 0.5 / jax.numpy.maximum(global_norm, 0.5)
+        if name == "body2":  # ClipByValue(0.01, where="body2")
+            g = jax.numpy.clip(g, -0.01, 0.01)
+        out.append(g)
+    return out
+
+
+def hand_written_clip_loop(init, x, y, window=1):
+    """The seed-style JAX loop: `jax.grad`, clip per selection, SGD apply (jitted).
+
+    With `window > 1` it accumulates: the sample-weighted mean of `window`
+    batches' gradients (fewer at the end of an epoch) is clipped and applied.
+    """
     model = make_mlp(init)
     loss_fn = keras.losses.MeanSquaredError()
     layers = [v.path.split("/")[-2] for v in model.trainable_variables]  # body1, ..., head
@@ -84,32 +104,83 @@ def hand_written_clip_loop(init, x, y):
         y_pred, _ = model.stateless_call(trainable, non_trainable, xb)
         return loss_fn(yb, y_pred)
 
+    grad_of = jax.jit(jax.grad(loss_of))
+
     @jax.jit
-    def step(trainable, non_trainable, xb, yb):
-        grads = jax.grad(loss_of)(trainable, non_trainable, xb, yb)
-        out = []
-        body = [g for g, name in zip(grads, layers) if name.startswith("body")]
-        global_norm = jax.numpy.sqrt(sum(jax.numpy.sum(g * g) for g in body))
-        for g, name in zip(grads, layers):
-            if name == "head":  # ClipByNorm(0.05, where="head")
-                g = g * 0.05 / jax.numpy.maximum(jax.numpy.linalg.norm(g.ravel()), 0.05)
-            if name.startswith("body"):  # ClipByGlobalNorm(0.5, where="body*")
-                g = g * 0.5 / jax.numpy.maximum(global_norm, 0.5)
-            if name == "body2":  # ClipByValue(0.01, where="body2")
-                g = jax.numpy.clip(g, -0.01, 0.01)
-            out.append(g)
-        return [w - LR * g for w, g in zip(trainable, out)]
+    def apply(trainable, grads):
+        return [w - LR * g for w, g in zip(trainable, _clipped(grads, layers))]
 
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
+    starts = list(range(0, len(x), BATCH))
     for _ in range(EPOCHS):
-        for start in range(0, len(x), BATCH):
-            trainable = step(
-                trainable, non_trainable, x[start : start + BATCH], y[start : start + BATCH]
-            )
+        for first in range(0, len(starts), window):
+            total, count = None, 0
+            for start in starts[first : first + window]:
+                xb, yb = x[start : start + BATCH], y[start : start + BATCH]
+                grads = [g * len(xb) for g in grad_of(trainable, non_trainable, xb, yb)]
+                total = grads if total is None else [a + b for a, b in zip(total, grads)]
+                count += len(xb)
+            trainable = apply(trainable, [g / count for g in total])
     for variable, value in zip(model.trainable_variables, trainable):
         variable.assign(value)
     return model
+
+
+def accumulation_cases(out, init, x, y, report):
+    """accumulation_steps: 4 batches an epoch in windows of 3 and 1 (flushed)."""
+    validation = {"validation_data": (x[:32], y[:32])}
+    for name, kwargs in [("accumulation3", {}), ("accumulation3_eager", {"jit_compile": False})]:
+        model = compiled(
+            make_mlp(init), gradient_transforms=transforms(kt), accumulation_steps=3, **kwargs
+        )
+        save_case(out, name, model, fit(model, x, y, **validation))
+        report[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
+    save_case(out, "accumulation3_hand", hand_written_clip_loop(init, x, y, window=3), {})
+    model = compiled(make_mlp(init), accumulation_steps=2, micro_batches=2)
+    save_case(out, "accumulation2_micro2", model, fit(model, x, y))
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR / 16),
+        loss=keras.losses.MeanSquaredError(reduction="sum"),
+        accumulation_steps=3,
+    )
+    save_case(out, "accumulation3_sum", model, fit(model, x, y))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt), accumulation_steps=3)
+        save_case(out, "accumulation3_data_parallel", model, fit(model, x, y, **validation))
+    finally:
+        keras.distribution.set_distribution(None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=transforms(kt), accumulation_steps=3)
+        save_case(out, "accumulation3_mixed", model, fit(model, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # What the window cannot weight exactly is refused before any weight changes.
+    refusals = {}
+    for name, make, loss, kwargs in [
+        (
+            "weighted",
+            make_mlp,
+            keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+            {"sample_weight": sample_weights()},
+        ),
+        ("sum_regularized", make_regularized, keras.losses.MeanSquaredError(reduction="sum"), {}),
+        ("unreduced", make_mlp, keras.losses.MeanSquaredError(reduction=None), {}),
+    ]:
+        model = make(init)
+        try:
+            model.compile(optimizer="sgd", loss=loss, accumulation_steps=3)
+            fit(model, x, y, **kwargs)
+            refusals[name] = None
+        except ValueError as error:
+            refusals[name] = str(error)
+        refusals[f"{name}_weights_kept"] = all(
+            np.array_equal(a, b) for a, b in zip(model.get_weights(), make(init).get_weights())
+        )
+    report["accumulation_refusals"] = refusals
 
 
 def main():
@@ -343,10 +414,11 @@ def main():
     except ValueError as error:
         report["gate_refusal"] = str(error)
 
+    accumulation_cases(out, init, x, y, report)
+
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}
     for option, value in [
-        ("accumulation_steps", 4),
         ("differential_privacy", "a DPSGD"),
         ("task_balancing", "a PCGrad"),
         ("sample_selection", "a TopLoss"),

@@ -55,6 +55,17 @@ def _tf_fit(model, x, y):
     return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
 
 
+def _tf_case(make, init, x, y, validation=False, optimizer=None, loss="mse", **options):
+    """`(weights, History)` of `make(init)` compiled with `options` and fit on TensorFlow."""
+    model = make(init)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(LR), loss=loss, **options)
+    extra = {"validation_data": (x[:32], y[:32])} if validation else {}
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **extra
+    ).history
+    return model.get_weights(), history
+
+
 def _tf_clip_model(init):
     model = make_mlp(init)
     model.compile(
@@ -100,6 +111,9 @@ def runs(tmp_path_factory):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **sam_cases(kt)["sam"])
         _tf_fit(model, x, y)
         tf_runs["sam_mixed"] = (model.get_weights(), None)
+        tf_runs["accumulation3_mixed"] = _tf_case(
+            make_mlp, init, x, y, gradient_transforms=transforms(kt), accumulation_steps=3
+        )
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model = make_mlp(init)
@@ -182,6 +196,21 @@ def runs(tmp_path_factory):
     model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
     _tf_fit(model, x, y)
     tf_runs["lr_decay_micro"] = (model.get_weights(), None)
+    tf_runs["accumulation3"] = _tf_case(
+        make_mlp, init, x, y, True, gradient_transforms=transforms(kt), accumulation_steps=3
+    )
+    tf_runs["accumulation2_micro2"] = _tf_case(
+        make_mlp, init, x, y, accumulation_steps=2, micro_batches=2
+    )
+    tf_runs["accumulation3_sum"] = _tf_case(
+        make_mlp,
+        init,
+        x,
+        y,
+        optimizer=keras.optimizers.SGD(LR / 16),
+        loss=keras.losses.MeanSquaredError(reduction="sum"),
+        accumulation_steps=3,
+    )
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
@@ -448,10 +477,52 @@ def test_loss_terms_jax_cannot_compute_are_refused(runs, case, message):
     assert "Received: loss_terms=[" in report[f"{case}_refusal"]
 
 
+def test_accumulation_equals_tensorflow_and_the_hand_written_loop(runs):
+    # Windows of 3 batches and a flushed window of 1 each epoch, with the
+    # three clip groups and validation; the hand loop clips each window's
+    # sample-weighted mean gradient.
+    out, tf_runs = runs
+    weights, history = _jax(out, "accumulation3")
+    tf_weights, tf_history = tf_runs["accumulation3"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history) == ["loss", "val_loss"]
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    assert _max_diff(weights, _jax(out, "accumulation3_hand")[0]) <= 1e-6
+    assert _max_diff(weights, _jax(out, "clip")[0]) > 1e-4  # the check can fail
+    report = json.loads((out / "report.json").read_text())
+    assert report["accumulation3_iterations"] == report["accumulation3_eager_iterations"] == 4
+    assert _max_diff(_jax(out, "accumulation3_eager")[0], weights) <= 1e-6
+    assert _max_diff(_jax(out, "accumulation3_data_parallel")[0], weights) <= 1e-5
+
+
+def test_accumulation_sum_micro_batches_and_mixed_precision_equal_tensorflow(runs):
+    out, tf_runs = runs
+    for name in ("accumulation3_sum", "accumulation2_micro2"):
+        assert _max_diff(_jax(out, name)[0], tf_runs[name][0]) <= 1e-5, name
+    mixed = _jax(out, "accumulation3_mixed")[0]
+    assert _max_diff(mixed, tf_runs["accumulation3_mixed"][0]) <= 5e-3
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("weighted", "a 'mean_with_sample_weight' loss with sample weights"),
+        ("sum_regularized", "({'loss': 'sum'} and regularization losses)"),
+        ("unreduced", "cannot split a loss that is not reduced"),
+    ],
+)
+def test_accumulation_refuses_what_it_cannot_weight_before_training(runs, case, message):
+    out, _ = runs
+    refusals = json.loads((out / "report.json").read_text())["accumulation_refusals"]
+    assert refusals[case] is not None and message in refusals[case], case
+    assert "accumulation_steps=3" in refusals[case]
+    assert refusals[f"{case}_weights_kept"]
+
+
 @pytest.mark.parametrize(
     "option",
     [
-        "accumulation_steps",
         "differential_privacy",
         "task_balancing",
         "sample_selection",

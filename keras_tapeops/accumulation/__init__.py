@@ -9,6 +9,9 @@
   what cannot be).
 - `AccumulationFlush` (flush.py): applies a window cut short by the epoch end.
 - batch_norm.py: BatchNormalization moving statistics under micro-batching.
+
+flush.py and reduction_kinds.py are backend-neutral (the JAX window,
+`keras_tapeops.backend.jax.accumulation`, uses them); the rest is TensorFlow's.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ from typing import Any
 
 import keras
 
-from keras_tapeops.accumulation.batch_norm import check_batch_norm_layers
-from keras_tapeops.accumulation.cross_batch import CrossBatchAccumulator
-from keras_tapeops.accumulation.cross_batch import window_gradients
 from keras_tapeops.accumulation.flush import AccumulationFlush
 from keras_tapeops.accumulation.flush import add_flush_callback
-from keras_tapeops.accumulation.micro_batches import micro_batch_gradients
-from keras_tapeops.accumulation.reductions import check_compile_loss
+from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.split_sizes import micro_batch_sizes
+
+# The passes and the window below are TensorFlow's (the JAX step has its own,
+# keras_tapeops.backend.jax); flush.py and reduction_kinds.py serve both.
+if keras.backend.backend() == "tensorflow":
+    from keras_tapeops.accumulation.batch_norm import check_batch_norm_layers
+    from keras_tapeops.accumulation.cross_batch import CrossBatchAccumulator
+    from keras_tapeops.accumulation.cross_batch import window_gradients
+    from keras_tapeops.accumulation.micro_batches import micro_batch_gradients
 
 
 def check_model(model: keras.Model, options: Any) -> None:

@@ -49,6 +49,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_tapeops.accumulation import reduction_kinds
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation.micro_batches import micro_batch_pass
 from keras_tapeops.replicas import batch_size
@@ -99,7 +100,7 @@ def window_gradients(
             return model.batch_gradients(x, y, sample_weight)
         reductions.build_compiled_loss(model, x, y, sample_weight)
         with reductions.intercepted(
-            model, lambda r: r.value, reductions.option_of(options)
+            model, lambda r: r.value, reduction_kinds.option_of(options)
         ) as records:
             grads, y_pred = model.batch_gradients(x, y, sample_weight)
         regularized = bool(model.losses)
@@ -329,13 +330,13 @@ def _unread_loss_kind(model):
         for entry in reductions.flat_losses(model)
     }
     for name, reduction in named.items():
-        if reduction in reductions.UNREDUCED:
-            raise reductions.refuse_unreduced(
-                *reductions.option_of(model.tapeops_options), name, reduction
+        if reduction in reduction_kinds.UNREDUCED:
+            raise reduction_kinds.refuse_unreduced(
+                *reduction_kinds.option_of(model.tapeops_options), name, reduction
             )
-    if all(r in reductions.MEAN_REDUCTIONS for r in named.values()):
+    if all(r in reduction_kinds.MEAN_REDUCTIONS for r in named.values()):
         return "samples"
-    raise reductions.refuse_mixed_window(
+    raise reduction_kinds.refuse_mixed_window(
         model.tapeops_options.accumulation_steps,
         named,
         "batches weighted by their sample counts",

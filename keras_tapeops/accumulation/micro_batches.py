@@ -33,6 +33,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_tapeops.accumulation import reduction_kinds
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation import splitting
 from keras_tapeops.accumulation.batch_norm import LargeBatchStatistics
@@ -90,7 +91,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     if exact:
         reductions.build_compiled_loss(model, x, y, sample_weight)
         totals = reductions.weight_totals(model, sample_weight)
-    option = reductions.option_of(model.tapeops_options)
+    option = reduction_kinds.option_of(model.tapeops_options)
     seen = {}
 
     def one_pass(micro, size, bn_state):

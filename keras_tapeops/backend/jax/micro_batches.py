@@ -33,6 +33,7 @@ from keras import ops
 from keras_tapeops._keras import jax_trainer
 from keras_tapeops._keras import private
 from keras_tapeops.split_sizes import equal_size_groups
+from keras_tapeops.split_sizes import static_batch_size
 
 Forward = Callable[[Any, Any, Any], tuple[Any, Any, list[Any]]]
 
@@ -67,7 +68,7 @@ def micro_batch_forward(model: keras.Model, k: int) -> Forward:
         return y_pred, non_trainable, extra
 
     def forward(trainable, non_trainable, x):
-        n = _batch_size(x)
+        n = static_batch_size(x)
         extra = ops.zeros((), "float32")
         pieces = []
         for start, count, size in equal_size_groups(n, k):
@@ -112,11 +113,6 @@ def check_batch_norm(model: keras.Model, micro_batches: int, mode: str) -> None:
             f"is TensorFlow-only for now. Layers: {layers}. "
             f"Received: micro_batches={micro_batches}, batch_norm_updates={mode!r}"
         )
-
-
-def _batch_size(x: Any) -> int:
-    leaves = [t for t in jax.tree_util.tree_leaves(x) if t is not None]
-    return int(leaves[0].shape[0])
 
 
 def _stack(t: Any, start: int, count: int, size: int) -> Any:

@@ -21,7 +21,10 @@ import keras
 from keras import ops
 
 from keras_tapeops._keras import jax_trainer
+from keras_tapeops.accumulation.flush import add_flush_callback
+from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.backend.jax import loss as jax_loss
+from keras_tapeops.backend.jax.accumulation import AccumulationWindow
 from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax.options import check_bound_state
 from keras_tapeops.backend.jax.options import pop_jax_options
@@ -31,6 +34,7 @@ from keras_tapeops.options import TapeOpsOptions
 from keras_tapeops.options import compile_signature
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.saving import SavingMethods
+from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
@@ -45,7 +49,7 @@ class JaxModelState:
         options: the model's `TapeOpsOptions`.
     """
 
-    saveable = None  # no training state on JAX yet (stateful transforms are refused)
+    saveable = None  # no saved training state on JAX yet (stateful transforms are refused)
 
     def __init__(self, model: keras.Model, options: TapeOpsOptions) -> None:
         self.options = options
@@ -55,6 +59,7 @@ class JaxModelState:
         tree = LayerTree(model)
         self.terms = [(term, term.bind(model, tree)) for term in options.loss_terms]
         self.term_trackers: dict[str, keras.metrics.Mean] = {}
+        self.accumulator: AccumulationWindow | None = None  # accumulation_steps > 1
 
     def create_trackers(self) -> None:
         """One `Mean` per term, logged under the term's name (as on TensorFlow)."""
@@ -70,16 +75,24 @@ class JaxModelState:
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
-        """The term trackers, then the bound transforms' metrics."""
-        return list(self.term_trackers.values()) + self.training_only_metrics
+        """The term trackers, the bound transforms' metrics, the accumulation window.
+
+        The window logs nothing: it is a metric so that the JAX step carries
+        its variables (see `backend/jax/accumulation.py`).
+        """
+        window = [] if self.accumulator is None else [self.accumulator]
+        return list(self.term_trackers.values()) + self.training_only_metrics + window
 
     @property
     def training_only_metrics(self) -> list[keras.metrics.Metric]:
         """The transforms' metrics (e.g. `kt.LogGradientNorm`): not in evaluation."""
         return [m for _, s in self.transforms for m in s.metrics.values()]
 
-    def bind(self, model: keras.Model) -> list[Any]:
+    def bind(self, model: keras.Model, apply: Any = None) -> list[Any]:
         """Binds the transforms (and SAM's selection) to `model`'s trainable variables once.
+
+        With `accumulation_steps > 1` it also creates the window, whose full
+        windows go through `apply` (the step's transforms and optimizer).
 
         Returns:
             The bound `(transform, state)` pairs.
@@ -95,6 +108,9 @@ class JaxModelState:
             sam = self.options.sharpness_aware
             if sam is not None:
                 self.sam_selected = sam.bind(model, variables, tree)
+            steps = self.options.accumulation_steps
+            if steps > 1 and apply is not None:
+                self.accumulator = AccumulationWindow(model, steps, model.loss, apply)
             self.transforms, self._bound_to = bound, len(variables)
         return self.transforms
 
@@ -137,6 +153,9 @@ class TapeOpsMixin(SavingMethods):
                 order to the true (unscaled, all-reduced) gradients.
             micro_batches: int >= 1; every batch's gradient is computed in
                 this many rematerialized forward passes (one optimizer step).
+            accumulation_steps: int >= 1; this many consecutive batches make
+                one optimizer step (a window cut short by the epoch's end is
+                applied before validation).
             batch_norm_updates: `"per_micro_batch"` (needed on JAX when
                 the model has BatchNormalization layers and
                 `micro_batches > 1`).
@@ -154,6 +173,7 @@ class TapeOpsMixin(SavingMethods):
         options = pop_jax_options(kwargs)
         if self.built:
             micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
+        check_compile_loss(options, kwargs.get("loss", args[1] if len(args) > 1 else None))
         state = JaxModelState(self, options)  # binds the terms: raises before compiling
         super().compile(*args, **kwargs)
         state.create_trackers()
@@ -179,10 +199,27 @@ class TapeOpsMixin(SavingMethods):
             metrics = metrics + state.metrics
         return metrics
 
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
+
+        A window cut short by the end of an epoch is applied before
+        validation and before other callbacks' `on_epoch_end` (see
+        `keras_tapeops.accumulation.AccumulationFlush`).
+        """
+        options = self.tapeops_options
+        if options is not None and options.accumulation_steps > 1:
+            args, kwargs = add_flush_callback(self, args, kwargs)
+        return super().fit(*args, **kwargs)
+
+    def build_tapeops(self) -> JaxModelState | None:
+        """Binds this model's state to its variables once they exist; returns it."""
+        self._tapeops_bind()
+        return self.tapeops_state
+
     def _tapeops_changes_step(self) -> bool:
         options = self.tapeops_options
         has_transforms = options is not None and bool(options.gradient_transforms)
-        split = options is not None and options.micro_batches > 1
+        split = options is not None and (options.micro_batches > 1 or options.accumulates)
         sam = options is not None and options.sharpness_aware is not None
         return (
             has_transforms
@@ -234,17 +271,23 @@ class TapeOpsMixin(SavingMethods):
     def make_train_function(self, force: bool = False) -> Any:
         """Binds the transforms (their metrics join the JAX state), then Keras's."""
         self._tapeops_bind()
-        return super().make_train_function(force)
+        super().make_train_function(force)
+        function = _restoring_state_on_error(self, getattr(self, "train_function"))
+        self.train_function = function
+        return function
 
     def make_test_function(self, force: bool = False) -> Any:
         """Binds the transforms (their metrics join the JAX state), then Keras's."""
         self._tapeops_bind()
-        return super().make_test_function(force)
+        super().make_test_function(force)
+        function = _restoring_state_on_error(self, getattr(self, "test_function"))
+        self.test_function = function
+        return function
 
     def _tapeops_bind(self) -> None:
         state = self.tapeops_state
         if state is not None and self.built:
-            state.bind(self)
+            state.bind(self, self._apply_gradients)
 
     def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
         """Term trackers, then Keras's own loss tracker and compiled metrics."""
@@ -252,7 +295,7 @@ class TapeOpsMixin(SavingMethods):
             trackers = self.tapeops_state.term_trackers
             names = [term.name for term, _ in self.tapeops_state.active_terms(training)]
             metrics_vars = jax_loss.update_term_trackers(
-                self, metrics_vars, [trackers[name] for name in names], values, _batch_size(x)
+                self, metrics_vars, [trackers[name] for name in names], values, static_batch_size(x)
             )
         logs, metrics_vars = jax_trainer.update_metrics_variables(
             self, metrics_vars, loss, x, y, y_pred, sample_weight
@@ -302,10 +345,16 @@ class TapeOpsMixin(SavingMethods):
             grads = self._sharpness_aware_gradients(
                 grad_fn, grads, (trainable, non_trainable, metrics_vars, optimizer_vars), data
             )
-        grads, metrics_vars = self._true_transformed(
-            list(grads), list(trainable), optimizer_vars, metrics_vars
-        )
-        trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        window = self.tapeops_state.accumulator if self.tapeops_state is not None else None
+        if window is not None:
+            window.check_batch(self, (trainable, non_trainable), x, sample_weight, y_pred)
+            trainable, optimizer_vars, metrics_vars = window.step(
+                self, grads, static_batch_size(x), list(trainable), optimizer_vars, metrics_vars
+            )
+        else:
+            trainable, optimizer_vars, metrics_vars = self._apply_gradients(
+                list(grads), list(trainable), optimizer_vars, metrics_vars
+            )
         logs, metrics_vars = self._log(
             metrics_vars, unscaled_loss, x, y, y_pred, sample_weight, values, training=True
         )
@@ -384,6 +433,17 @@ class TapeOpsMixin(SavingMethods):
         )
         return second
 
+    def _apply_gradients(self, grads, trainable, optimizer_vars, metrics_vars):
+        """The transforms on the true gradients, then the optimizer (stateless).
+
+        Returns `(trainable, optimizer_vars, metrics_vars)`.
+        """
+        grads, metrics_vars = self._true_transformed(
+            list(grads), list(trainable), optimizer_vars, metrics_vars
+        )
+        trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        return trainable, optimizer_vars, metrics_vars
+
     def _loss_scale(self, optimizer_vars):
         """The LossScaleOptimizer's current scale in this step (None without one)."""
         if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
@@ -438,5 +498,37 @@ class TapeOpsMixin(SavingMethods):
 TapeOpsMixin.compile.__signature__ = compile_signature(TapeOpsMixin.compile)
 
 
-def _batch_size(x: Any) -> int:
-    return int(next(t for t in jax.tree_util.tree_leaves(x) if t is not None).shape[0])
+def _restoring_state_on_error(model: keras.Model, function: Any) -> Any:
+    """`function(state, data)` that puts `state` back into the variables if it raises.
+
+    Keras's JAX `fit`/`evaluate` detach the variables' values while an
+    epoch runs and pass them to the step as `state`; a step that raises
+    while it is traced (a refusal by name, a shape error) would leave the
+    model without its weights. This wrapper reattaches the values the step
+    received, so a refused option changes nothing. (Buffers already donated
+    to a step that ran are left alone.)
+    """
+    if function is None or getattr(function, "_tapeops_restores", False):
+        return function
+
+    def groups() -> list[list[Any]]:
+        # The state's layout: (trainable, non_trainable[, optimizer], metrics).
+        out = [model.trainable_variables, model.non_trainable_variables]
+        return out + [model.optimizer.variables] if model.optimizer is not None else out
+
+    def guarded(state: Any, data: Any) -> Any:
+        try:
+            return function(state, data)
+        except Exception:
+            references = groups()
+            if len(state) == 3:  # the test step carries no optimizer state
+                references = references[:2]
+            for variables, values in zip(references + [model.metrics_variables], state):
+                for variable, value in zip(variables, values):
+                    deleted = getattr(value, "is_deleted", lambda: False)()
+                    if not deleted:
+                        variable.assign(value)
+            raise
+
+    guarded._tapeops_restores = True  # type: ignore[attr-defined]
+    return guarded

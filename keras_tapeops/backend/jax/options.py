@@ -23,6 +23,7 @@ JAX_OPTIONS = (
     "gradient_transforms",
     "loss_terms",
     "micro_batches",
+    "accumulation_steps",
     "batch_norm_updates",
     "sharpness_aware",
 )
@@ -45,7 +46,8 @@ JAX_TERMS = (LossTerm, ActivationPenalty, GradientPenalty)
 def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
-        "keras_tapeops supports micro_batches, sharpness_aware=kt.SAM(...), kt.optimizer_groups, "
+        "keras_tapeops supports micro_batches, accumulation_steps, sharpness_aware=kt.SAM(...), "
+        "kt.optimizer_groups, "
         "kt.layerwise_lr_decay, loss_terms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
         + " and your own kt.Term, and gradient_transforms with "
