@@ -219,6 +219,10 @@ def main():
         save_case(out, "clip_mixed", model, fit(model, x, y))
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3)
         save_case(out, "micro3_clip_mixed", model, fit(model, x, y))
+        # ClipByValue alone makes an overflow finite: the step must still be skipped.
+        model = compiled(make_mlp(init), gradient_transforms=[kt.ClipByValue(0.01)])
+        save_case(out, "clip_value_mixed", model, fit(model, x, y))
+        report["clip_value_mixed_applied"] = int(model.optimizer.inner_optimizer.iterations)
     finally:
         keras.mixed_precision.set_global_policy("float32")
 

@@ -111,6 +111,9 @@ def runs(tmp_path_factory):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **sam_cases(kt)["sam"])
         _tf_fit(model, x, y)
         tf_runs["sam_mixed"] = (model.get_weights(), None)
+        tf_runs["clip_value_mixed"] = _tf_case(
+            make_mlp, init, x, y, gradient_transforms=[kt.ClipByValue(0.01)]
+        )
         tf_runs["accumulation3_mixed"] = _tf_case(
             make_mlp, init, x, y, gradient_transforms=transforms(kt), accumulation_steps=3
         )
@@ -317,6 +320,12 @@ def test_mixed_precision_transforms_see_unscaled_gradients(runs):
     # fewer skipped step here, on both backends): compare with TF's micro run.
     micro = _jax(out, "micro3_clip_mixed")[0]
     assert _max_diff(micro, tf_runs["micro3_clip_mixed"][0]) <= 5e-3
+    # ClipByValue alone would make an overflow finite: the LossScaleOptimizer
+    # still skips it (fewer applied steps than batches), as on TensorFlow.
+    clipped = _jax(out, "clip_value_mixed")[0]
+    assert _max_diff(clipped, tf_runs["clip_value_mixed"][0]) <= 5e-3
+    report = json.loads((out / "report.json").read_text())
+    assert report["clip_value_mixed_applied"] < EPOCHS * 64 // BATCH
 
 
 def test_saving_crosses_backends(runs):

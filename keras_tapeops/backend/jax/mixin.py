@@ -460,16 +460,24 @@ class TapeOpsMixin(SavingMethods):
 
         The LossScaleOptimizer divides by its scale again in `stateless_apply`
         and skips a non-finite step, as on TensorFlow; the scale is a power
-        of two, so unscaling and rescaling are exact.
+        of two, so unscaling and rescaling are exact. An overflow stays an
+        overflow: when the true gradients are not all finite, the optimizer
+        gets them untransformed (a clip could have made them finite), so it
+        skips the step and lowers its scale, as on TensorFlow.
         """
         scale = self._loss_scale(optimizer_vars)
         if scale is not None:
             grads = [g if g is None else g / ops.cast(scale, g.dtype) for g in grads]
         with jax_loss.updating_metrics(self, metrics_vars) as metrics_vars:
-            grads = self.transform_gradients(grads, values)
+            new_grads = self.transform_gradients(grads, values)
         if scale is not None:
-            grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in grads]
-        return grads, metrics_vars
+            finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads if g is not None]))
+            new_grads = [
+                new if new is None or old is None else ops.where(finite, new, old)
+                for new, old in zip(new_grads, grads)
+            ]
+            new_grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in new_grads]
+        return new_grads, metrics_vars
 
     @default_hook
     def transform_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
