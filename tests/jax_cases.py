@@ -48,6 +48,7 @@ from jax_models import (  # noqa: E402
     make_batch_norm,
     make_mlp,
     make_regularized,
+    nan_data,
     penalty_terms,
     sample_weights,
     sam_cases,
@@ -181,6 +182,47 @@ def accumulation_cases(out, init, x, y, report):
             np.array_equal(a, b) for a, b in zip(model.get_weights(), make(init).get_weights())
         )
     report["accumulation_refusals"] = refusals
+
+
+def skip_cases(out, init, report):
+    """SkipNonFinite: batch 1 of every epoch has a nan target (its step is skipped)."""
+    x, y = nan_data()
+    clean = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]  # the batches without the nan
+    validation = {"validation_data": (x[clean[-32:]], y[clean[-32:]])}
+    skip = [kt.SkipNonFinite(), *transforms(kt)]
+    model = compiled(make_mlp(init), gradient_transforms=skip)
+    save_case(out, "skip", model, fit(model, x, y, **validation))
+    report["skip_iterations"] = int(model.optimizer.iterations.numpy())
+    # The oracle: stock training on the three clean batches of each epoch.
+    model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
+    save_case(out, "skip_oracle", model, fit(model, x[clean], y[clean]))
+    model = make_batch_norm(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=[kt.SkipNonFinite()]
+    )
+    save_case(out, "skip_batch_norm", model, fit(model, x, y))
+    model = make_batch_norm(init)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    save_case(out, "skip_batch_norm_oracle", model, fit(model, x[clean], y[clean]))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=skip)
+        save_case(out, "skip_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(make_mlp(init), gradient_transforms=skip)
+        save_case(out, "skip_mixed", model, fit(model, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    try:
+        make_mlp(init).compile(
+            optimizer="sgd", loss="mse", gradient_transforms=[kt.SkipNonFinite(max_consecutive=3)]
+        )
+        report["max_consecutive_refusal"] = None
+    except ValueError as error:
+        report["max_consecutive_refusal"] = str(error)
 
 
 def main():
@@ -404,21 +446,22 @@ def main():
     stock_half.compile(optimizer=keras.optimizers.SGD(LR / 2), loss="mse")
     save_case(out, "half_learning_rate", stock_half, fit(stock_half, x, y))
 
-    # A transform with a step gate (training state) is refused on JAX.
-    class Gate(kt.GradientTransform):
+    # A transform with an after_apply hook is refused on JAX.
+    class AfterApply(kt.GradientTransform):
         def transform(self, grads, variables, state):
             return list(grads)
 
-        def keep_step(self, grads, variables, state):
+        def after_apply(self, variables, previous, state):
             return None
 
     try:
-        plain.compile(optimizer="sgd", loss="mse", gradient_transforms=[Gate()])
-        report["gate_refusal"] = None
+        plain.compile(optimizer="sgd", loss="mse", gradient_transforms=[AfterApply()])
+        report["after_apply_refusal"] = None
     except ValueError as error:
-        report["gate_refusal"] = str(error)
+        report["after_apply_refusal"] = str(error)
 
     accumulation_cases(out, init, x, y, report)
+    skip_cases(out, init, report)
 
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}

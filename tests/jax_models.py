@@ -21,6 +21,14 @@ def data():
     return x, y
 
 
+def nan_data():
+    """`data()` with a nan target in the second batch (samples 16-31)."""
+    x, y = data()
+    y = y.copy()
+    y[20, 0] = np.nan
+    return x, y
+
+
 def make_mlp(init=None, upgrade=True):
     """body1 -> body2 -> head; upgraded with kt.upgrade unless `upgrade=False`."""
     model = keras.Sequential(

@@ -32,6 +32,7 @@ from jax_models import (
     loss_terms,
     make_batch_norm,
     make_mlp,
+    nan_data,
     penalty_terms,
     sam_cases,
     transforms,
@@ -113,6 +114,9 @@ def runs(tmp_path_factory):
         tf_runs["sam_mixed"] = (model.get_weights(), None)
         tf_runs["clip_value_mixed"] = _tf_case(
             make_mlp, init, x, y, gradient_transforms=[kt.ClipByValue(0.01)]
+        )
+        tf_runs["skip_mixed"] = _tf_case(
+            make_mlp, init, *nan_data(), gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)]
         )
         tf_runs["accumulation3_mixed"] = _tf_case(
             make_mlp, init, x, y, gradient_transforms=transforms(kt), accumulation_steps=3
@@ -199,6 +203,27 @@ def runs(tmp_path_factory):
     model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
     _tf_fit(model, x, y)
     tf_runs["lr_decay_micro"] = (model.get_weights(), None)
+    nan_x, nan_y = nan_data()
+    clean = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)],
+    )
+    history = model.fit(
+        nan_x,
+        nan_y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        validation_data=(nan_x[clean[-32:]], nan_y[clean[-32:]]),
+    ).history
+    tf_runs["skip"] = (model.get_weights(), history)
+    tf_runs["skip_batch_norm"] = _tf_case(
+        make_batch_norm, init, nan_x, nan_y, gradient_transforms=[kt.SkipNonFinite()]
+    )
     tf_runs["accumulation3"] = _tf_case(
         make_mlp, init, x, y, True, gradient_transforms=transforms(kt), accumulation_steps=3
     )
@@ -297,12 +322,38 @@ def test_subclassed_model_and_transform_gradients_override(runs):
     assert _max_diff(halved, _jax(out, "half_learning_rate")[0]) <= 1e-6
 
 
-def test_a_transform_with_a_step_gate_is_refused(runs):
+def test_a_transform_with_an_after_apply_hook_is_refused(runs):
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
-    assert report["gate_refusal"].startswith(
-        "`gradient_transforms` with Gate is not available on the JAX backend yet"
+    assert report["after_apply_refusal"].startswith(
+        "`gradient_transforms` with AfterApply is not available on the JAX backend yet"
     )
+    assert report["max_consecutive_refusal"].startswith(
+        "`gradient_transforms` with SkipNonFinite(max_consecutive=3) is not available on the JAX"
+    )
+
+
+def test_skip_non_finite_equals_tensorflow_and_training_without_the_batch(runs):
+    # Batch 1 of each epoch has a nan target: its step is skipped (weights,
+    # optimizer and BatchNormalization statistics), which is training on the
+    # three other batches; History logs `skipped_steps` (training only).
+    out, tf_runs = runs
+    weights, history = _jax(out, "skip")
+    tf_weights, tf_history = tf_runs["skip"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history) == ["loss", "skipped_steps", "val_loss"]
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(history["skipped_steps"], [1.0, 1.0])
+    assert _max_diff(weights, _jax(out, "skip_oracle")[0]) <= 1e-6
+    assert _max_diff(weights, _jax(out, "clip")[0]) > 1e-4  # the check can fail
+    report = json.loads((out / "report.json").read_text())
+    assert report["skip_iterations"] == 6
+    batch_norm, _ = _jax(out, "skip_batch_norm")
+    assert _max_diff(batch_norm, _jax(out, "skip_batch_norm_oracle")[0]) <= 1e-6
+    assert _max_diff(batch_norm, tf_runs["skip_batch_norm"][0]) <= 1e-5
+    assert _max_diff(_jax(out, "skip_data_parallel")[0], weights) <= 1e-5
+    assert _max_diff(_jax(out, "skip_mixed")[0], tf_runs["skip_mixed"][0]) <= 5e-3
 
 
 def test_data_parallel_on_two_devices_equals_one_device(runs):

@@ -8,6 +8,7 @@ from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm
 from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
+from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.transforms.observe import LogGradientNorm
 
 __all__ = [
@@ -18,12 +19,12 @@ __all__ = [
     "ClipByValue",
     "GradientTransform",
     "LogGradientNorm",
+    "SkipNonFinite",
 ]
 
-# The stateful transforms (training-state variables, logged metrics, step
-# gates) are TensorFlow-only for now; on JAX `compile()` names them.
+# LogUpdateRatio (an after_apply hook) is TensorFlow-only for now; on JAX
+# `compile()` names it.
 if keras.backend.backend() == "tensorflow":
-    from keras_tapeops.transforms.finite import SkipNonFinite
     from keras_tapeops.transforms.update_ratio import LogUpdateRatio
 
-    __all__ += ["LogUpdateRatio", "SkipNonFinite"]
+    __all__ += ["LogUpdateRatio"]

@@ -6,7 +6,7 @@ from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import validation
 from keras_tapeops.paths import LayerTree
@@ -14,6 +14,7 @@ from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
 from keras_tapeops.selectors import Selector
+from keras_tapeops.transforms.sparse import is_sparse
 
 
 @register
@@ -51,7 +52,9 @@ class SkipNonFinite(GradientTransform):
             steps in a row (see above) training stops with an error (the
             count is saved with the model, so it survives
             `BackupAndRestore`). Not checked under XLA (`jit_compile=True`),
-            which drops assertions.
+            which drops assertions. TensorFlow only: the JAX step cannot
+            stop training from inside a compiled step, so `compile()`
+            refuses it there.
         where: selector of the gradients checked (None: all).
         name: the logged metric's name.
 
@@ -89,23 +92,25 @@ class SkipNonFinite(GradientTransform):
 
     def keep_step(
         self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
-    ) -> tf.Tensor:
+    ) -> Any:
         checks = [
-            tf.reduce_all(tf.math.is_finite(_values(g)))
+            ops.all(ops.isfinite(_values(g)))
             for g, on in zip(grads, state.selected)
             if on and g is not None
         ]
-        finite = tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
-        skipped = 1.0 - tf.cast(finite, tf.float32)
+        finite = ops.all(ops.stack(checks)) if checks else ops.convert_to_tensor(True)
+        skipped = 1.0 - ops.cast(finite, "float32")
         # Every replica takes the same decision and counts it; the count
         # averages its replicas (see ReplicaAgreedCount).
         state.metrics[self.name].update_state(skipped)
         counter = state.variables["consecutive_skips"]
         counts = skipped * _true_overflow(getattr(state, "model", None))
         # A finite step resets the count; a loss-scale overflow leaves it.
-        in_a_row = tf.where(finite, 0.0, counter + counts)
+        in_a_row = ops.where(finite, 0.0, counter + counts)
         counter.assign(in_a_row)
         if self.max_consecutive is not None:
+            import tensorflow as tf  # max_consecutive is TensorFlow only (see Args)
+
             tf.debugging.assert_less(
                 in_a_row,
                 tf.constant(float(self.max_consecutive)),
@@ -161,10 +166,10 @@ class ReplicaAgreedCount(keras.metrics.Metric):
         )
 
     def update_state(self, value):
-        self.total.assign_add(tf.cast(value, self.total.dtype))
+        self.total.assign_add(ops.cast(value, self.total.dtype))
 
     def result(self):
-        return tf.identity(self.total)
+        return ops.copy(self.total)
 
     def reset_state(self):
         self.total.assign(0.0)
@@ -179,10 +184,11 @@ def _true_overflow(model):
     """
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return tf.constant(1.0)
-    scale = tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale), tf.float32)
-    return tf.cast(scale <= 1.0, tf.float32)
+        return ops.convert_to_tensor(1.0)
+    scale = ops.cast(ops.convert_to_tensor(optimizer.dynamic_scale), "float32")
+    return ops.cast(scale <= 1.0, "float32")
 
 
 def _values(grad):
-    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    """The values a gradient holds (an IndexedSlices' rows, not densified)."""
+    return grad.values if is_sparse(grad) else grad

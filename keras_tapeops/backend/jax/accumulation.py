@@ -10,10 +10,8 @@ count as per-sample means), 1 for `"sum"` (the gradients are summed).
 `optimizer.iterations` (and so learning-rate schedules) count applied steps.
 
 The window state rides in the stateless JAX step as metric variables (an
-`AccumulationWindow`, listed in `model.metrics` but never logged): Keras's
-JAX trainer threads metric variables through every step, replicates them
-under `keras.distribution.DataParallel` and writes them back at the end of
-the epoch, and they are not weights, so weight files stay stock. Under
+`AccumulationWindow` is a `carried.CarriedState`: listed in `model.metrics`,
+never logged, not weights, so weight files stay stock). Under
 `DataParallel` the gradient of the global batch is already the all-reduced
 one, so the window holds the global batches' gradients.
 
@@ -44,6 +42,7 @@ from keras_tapeops._keras import masking
 from keras_tapeops.accumulation.reduction_kinds import MEAN_REDUCTIONS
 from keras_tapeops.accumulation.reduction_kinds import named_losses
 from keras_tapeops.accumulation.reduction_kinds import refuse_mixed_window
+from keras_tapeops.backend.jax.carried import CarriedState
 
 #: `apply(grads, trainable, optimizer_vars, metrics_vars) -> (trainable,
 #: optimizer_vars, metrics_vars)`: the step's transforms and optimizer.
@@ -64,7 +63,7 @@ def window_kind(loss: Any) -> str:
     return "unit" if reductions and all(r == "sum" for r in reductions) else "samples"
 
 
-class AccumulationWindow(keras.metrics.Metric):
+class AccumulationWindow(CarriedState):
     """The window's per-variable gradient sums and counts, as metric variables.
 
     A metric so that the stateless JAX step carries it (see the module
@@ -104,17 +103,6 @@ class AccumulationWindow(keras.metrics.Metric):
     def window_variables(self) -> list[keras.Variable]:
         """The sums, then the sample count, the normalizer and the batch count."""
         return [*self.sums, self.samples, self.normalizer, self.batches]
-
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Not a logged metric: the step adds batches with `step`."""
-        raise NotImplementedError("The accumulation window is updated by the JAX step.")
-
-    def result(self) -> dict[str, Any]:
-        """Nothing is logged."""
-        return {}
-
-    def reset_state(self) -> None:
-        """Kept across `reset_metrics()`; `clear` starts a fresh window."""
 
     def clear(self) -> None:
         """Discards the current window (eager)."""

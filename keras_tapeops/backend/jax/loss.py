@@ -198,7 +198,9 @@ def _input_vjp(forward, layers, trainable, non_trainable, x):
 
 
 @contextlib.contextmanager
-def updating_metrics(model: keras.Model, metrics_variables: Sequence[Any]) -> Iterator[list[Any]]:
+def updating_metrics(
+    model: keras.Model, metrics_variables: Sequence[Any], read: Sequence[tuple[Any, Any]] = ()
+) -> Iterator[list[Any]]:
     """Metric updates inside the block are stateless; yields their new values.
 
     Inside the block the model's metrics variables read `metrics_variables`
@@ -209,6 +211,8 @@ def updating_metrics(model: keras.Model, metrics_variables: Sequence[Any]) -> It
     Args:
         model: the model (its `metrics_variables` are the reference variables).
         metrics_variables: their current values.
+        read: more `(variable, value)` pairs the block reads (e.g. the
+            optimizer's loss scale); their updates are dropped.
 
     Yields:
         A list, filled with the new values when the block exits.
@@ -221,7 +225,8 @@ def updating_metrics(model: keras.Model, metrics_variables: Sequence[Any]) -> It
     """
     references = model.metrics_variables
     new_values = list(metrics_variables)
-    with keras.StatelessScope(state_mapping=list(zip(references, metrics_variables))) as scope:
+    mapping = list(zip(references, metrics_variables)) + list(read)
+    with keras.StatelessScope(state_mapping=mapping) as scope:
         yield new_values
     for i, reference in enumerate(references):
         value = scope.get_current_value(reference)

@@ -25,8 +25,8 @@ from keras_tapeops.accumulation.flush import add_flush_callback
 from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
+from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax import micro_batches
-from keras_tapeops.backend.jax.options import check_bound_state
 from keras_tapeops.backend.jax.options import pop_jax_options
 from keras_tapeops.hook_overrides import default_hook
 from keras_tapeops.hook_overrides import overrides
@@ -38,6 +38,7 @@ from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
+from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import apply_in_order
 
 
@@ -60,6 +61,7 @@ class JaxModelState:
         self.terms = [(term, term.bind(model, tree)) for term in options.loss_terms]
         self.term_trackers: dict[str, keras.metrics.Mean] = {}
         self.accumulator: AccumulationWindow | None = None  # accumulation_steps > 1
+        self.transform_variables: TransformVariables | None = None  # e.g. a skip counter
 
     def create_trackers(self) -> None:
         """One `Mean` per term, logged under the term's name (as on TensorFlow)."""
@@ -80,8 +82,16 @@ class JaxModelState:
         The window logs nothing: it is a metric so that the JAX step carries
         its variables (see `backend/jax/accumulation.py`).
         """
-        window = [] if self.accumulator is None else [self.accumulator]
-        return list(self.term_trackers.values()) + self.training_only_metrics + window
+        carried = [c for c in (self.accumulator, self.transform_variables) if c is not None]
+        return list(self.term_trackers.values()) + self.training_only_metrics + carried
+
+    def gates(self) -> list[tuple[Any, Any]]:
+        """The bound `(transform, state)` pairs whose `keep_step` may skip a step."""
+        return [
+            (t, s)
+            for t, s in self.transforms
+            if type(t).keep_step is not GradientTransform.keep_step
+        ]
 
     @property
     def training_only_metrics(self) -> list[keras.metrics.Metric]:
@@ -103,11 +113,12 @@ class JaxModelState:
             bound = []
             for transform in self.options.gradient_transforms:
                 state = transform.bind(model, variables, tree)
-                check_bound_state(transform, state)
                 bound.append((transform, state))
             sam = self.options.sharpness_aware
             if sam is not None:
                 self.sam_selected = sam.bind(model, variables, tree)
+            carried = [v for _, s in bound for v in s.variables.values()]
+            self.transform_variables = TransformVariables(carried) if carried else None
             steps = self.options.accumulation_steps
             if steps > 1 and apply is not None:
                 self.accumulator = AccumulationWindow(model, steps, model.loss, apply)
@@ -287,7 +298,7 @@ class TapeOpsMixin(SavingMethods):
     def _tapeops_bind(self) -> None:
         state = self.tapeops_state
         if state is not None and self.built:
-            state.bind(self, self._apply_gradients)
+            state.bind(self, lambda *step_state: self._apply_gradients(*step_state)[:3])
 
     def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
         """Term trackers, then Keras's own loss tracker and compiled metrics."""
@@ -335,6 +346,7 @@ class TapeOpsMixin(SavingMethods):
         if not self._tapeops_changes_step():
             return super().train_step(state, data)  # the stock step, exactly
         trainable, non_trainable, optimizer_vars, metrics_vars = state
+        statistics = non_trainable  # put back if a gate skips the step
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         grad_fn = jax.value_and_grad(self._loss_function(training=True), has_aux=True)
         (_, aux), grads = grad_fn(
@@ -352,9 +364,13 @@ class TapeOpsMixin(SavingMethods):
                 self, grads, static_batch_size(x), list(trainable), optimizer_vars, metrics_vars
             )
         else:
-            trainable, optimizer_vars, metrics_vars = self._apply_gradients(
+            trainable, optimizer_vars, metrics_vars, keep = self._apply_gradients(
                 list(grads), list(trainable), optimizer_vars, metrics_vars
             )
+            if keep is not None:  # a skipped step keeps the moving statistics too
+                non_trainable = [
+                    ops.where(keep, new, old) for new, old in zip(non_trainable, statistics)
+                ]
         logs, metrics_vars = self._log(
             metrics_vars, unscaled_loss, x, y, y_pred, sample_weight, values, training=True
         )
@@ -436,13 +452,26 @@ class TapeOpsMixin(SavingMethods):
     def _apply_gradients(self, grads, trainable, optimizer_vars, metrics_vars):
         """The transforms on the true gradients, then the optimizer (stateless).
 
-        Returns `(trainable, optimizer_vars, metrics_vars)`.
+        A gate (`keep_step`, e.g. `kt.SkipNonFinite`) that says False skips
+        the step: weights and optimizer state stay as they were (under a
+        LossScaleOptimizer the step reaches it as an overflow, as on
+        TensorFlow).
+
+        Returns `(trainable, optimizer_vars, metrics_vars, keep)`; `keep` is
+        None without gates.
         """
-        grads, metrics_vars = self._true_transformed(
+        grads, metrics_vars, keep = self._true_transformed(
             list(grads), list(trainable), optimizer_vars, metrics_vars
         )
-        trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-        return trainable, optimizer_vars, metrics_vars
+        new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(
+            optimizer_vars, grads, trainable
+        )
+        if keep is not None and self._loss_scale(optimizer_vars) is None:
+            new_trainable = [ops.where(keep, n, o) for n, o in zip(new_trainable, trainable)]
+            new_optimizer_vars = [
+                ops.where(keep, n, o) for n, o in zip(new_optimizer_vars, optimizer_vars)
+            ]
+        return new_trainable, new_optimizer_vars, metrics_vars, keep
 
     def _loss_scale(self, optimizer_vars):
         """The LossScaleOptimizer's current scale in this step (None without one)."""
@@ -455,8 +484,10 @@ class TapeOpsMixin(SavingMethods):
     def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
         """Unscales (mixed precision), transforms, and rescales the gradients.
 
-        Returns `(grads, metrics_vars)`: the transforms' metrics (a
-        `kt.LogGradientNorm`) are updated statelessly.
+        Returns `(grads, metrics_vars, keep)`: the transforms' metrics (a
+        `kt.LogGradientNorm`) and training state (carried as metric
+        variables) are updated statelessly; `keep` is the AND of the gates'
+        decisions on the true gradients (None without gates).
 
         The LossScaleOptimizer divides by its scale again in `stateless_apply`
         and skips a non-finite step, as on TensorFlow; the scale is a power
@@ -468,7 +499,9 @@ class TapeOpsMixin(SavingMethods):
         scale = self._loss_scale(optimizer_vars)
         if scale is not None:
             grads = [g if g is None else g / ops.cast(scale, g.dtype) for g in grads]
-        with jax_loss.updating_metrics(self, metrics_vars) as metrics_vars:
+        optimizer_state = list(zip(self.optimizer.variables, optimizer_vars))
+        with jax_loss.updating_metrics(self, metrics_vars, optimizer_state) as metrics_vars:
+            keep = self._keep_step(grads, values)
             new_grads = self.transform_gradients(grads, values)
         if scale is not None:
             finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads if g is not None]))
@@ -476,8 +509,25 @@ class TapeOpsMixin(SavingMethods):
                 new if new is None or old is None else ops.where(finite, new, old)
                 for new, old in zip(new_grads, grads)
             ]
+            if keep is not None:  # the LossScaleOptimizer skips it as an overflow
+                nan = float("nan")
+                new_grads = [g if g is None else ops.where(keep, g, nan) for g in new_grads]
             new_grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in new_grads]
-        return new_grads, metrics_vars
+        return new_grads, metrics_vars, keep
+
+    def _keep_step(self, grads, values):
+        """The AND of the bound gates' `keep_step` decisions, or None without gates."""
+        state = self.tapeops_state
+        if state is None:
+            return None
+        state.bind(self)
+        keep = None
+        for transform, transform_state in state.gates():
+            decision = transform.keep_step(grads, values, transform_state)
+            if decision is not None:
+                decision = ops.cast(decision, "bool")
+                keep = decision if keep is None else ops.logical_and(keep, decision)
+        return keep
 
     @default_hook
     def transform_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:

@@ -16,6 +16,7 @@ from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.clipping import ClipByGlobalNorm
 from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
+from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.transforms.observe import LogGradientNorm
 
 #: The compile options the JAX step applies (the others are refused).
@@ -29,7 +30,7 @@ JAX_OPTIONS = (
 )
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
-#: is too when it keeps no training state and gates no step.
+#: is too (training state and step gates included) unless it has `after_apply`.
 JAX_TRANSFORMS = (
     ClipByNorm,
     ClipByGlobalNorm,
@@ -37,6 +38,7 @@ JAX_TRANSFORMS = (
     AdaptiveClip,
     CentralizeGradients,
     LogGradientNorm,
+    SkipNonFinite,
 )
 
 #: The built-in loss terms available on JAX; a user's own `kt.Term` is too.
@@ -52,7 +54,7 @@ def _refuse(name: str, value: Any, what: str = "") -> None:
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
         + " and your own kt.Term, and gradient_transforms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TRANSFORMS)
-        + " and your own stateless kt.GradientTransform (see docs/backends.md). "
+        + " and your own kt.GradientTransform without after_apply (see docs/backends.md). "
         f"Use KERAS_BACKEND=tensorflow for it. Received: {name}={value!r}"
     )
 
@@ -119,24 +121,16 @@ def check_jax_transform(transform: GradientTransform) -> None:
         transform: a `kt.GradientTransform`.
     """
     cls = type(transform)
-    if isinstance(transform, JAX_TRANSFORMS):
-        return
-    stateful = (
-        cls.keep_step is not GradientTransform.keep_step
-        or cls.after_apply is not GradientTransform.after_apply
-    )
-    if cls.__module__.startswith("keras_tapeops.") or stateful:
-        _refuse("gradient_transforms", [transform], f" with {cls.__name__}")
-
-
-def check_bound_state(transform: GradientTransform, state: Any) -> None:
-    """Raises ValueError when `bind` created training-state variables (TF only).
-
-    Logged metrics are fine: the JAX step updates them statelessly.
-    """
-    if state.variables:
+    if isinstance(transform, SkipNonFinite) and transform.max_consecutive is not None:
+        # Stopping training needs an assertion inside the compiled step.
         _refuse(
             "gradient_transforms",
             [transform],
-            f" with {type(transform).__name__} (its bind() adds training state)",
+            f" with SkipNonFinite(max_consecutive={transform.max_consecutive})",
         )
+    if isinstance(transform, JAX_TRANSFORMS):
+        return
+    if cls.__module__.startswith("keras_tapeops.") or (
+        cls.after_apply is not GradientTransform.after_apply
+    ):
+        _refuse("gradient_transforms", [transform], f" with {cls.__name__}")
