@@ -52,193 +52,120 @@ pytestmark = pytest.mark.skipif(
 HERE = Path(__file__).parent
 
 
-def _tf_fit(model, x, y):
-    return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+def _tf_case(make, init, x, y, validation=None, optimizer=None, loss="mse", **options):
+    """`(weights, History)` of `make(init)` compiled with `options` and fit on TensorFlow.
 
-
-def _tf_case(make, init, x, y, validation=False, optimizer=None, loss="mse", **options):
-    """`(weights, History)` of `make(init)` compiled with `options` and fit on TensorFlow."""
+    `optimizer` is an optimizer, a function of the model, or None (SGD);
+    `validation` is a `(x, y)` pair, True for the first 32 examples, or None.
+    """
     model = make(init)
+    if callable(optimizer) and not isinstance(optimizer, keras.optimizers.Optimizer):
+        optimizer = optimizer(model)
     model.compile(optimizer=optimizer or keras.optimizers.SGD(LR), loss=loss, **options)
-    extra = {"validation_data": (x[:32], y[:32])} if validation else {}
+    if validation is True:
+        validation = (x[:32], y[:32])
+    extra = {} if validation is None else {"validation_data": validation}
     history = model.fit(
         x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, **extra
     ).history
     return model.get_weights(), history
 
 
-def _tf_clip_model(init):
-    model = make_mlp(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=transforms(kt)
-    )
-    return model
+def _tf_mixed_precision_runs(init, x, y):
+    """The TensorFlow runs under `mixed_float16` that the JAX ones are compared with."""
+    clip = {"gradient_transforms": transforms(kt)}
+    cases = {
+        "clip_mixed": (make_mlp, x, y, clip),
+        "micro3_clip_mixed": (make_mlp, x, y, {**clip, "micro_batches": 3}),
+        "terms_mixed": (make_mlp, x, y, {"loss_terms": loss_terms(kt)}),
+        "sam_mixed": (make_mlp, x, y, sam_cases(kt)["sam"]),
+        "clip_value_mixed": (make_mlp, x, y, {"gradient_transforms": [kt.ClipByValue(0.01)]}),
+        "skip_mixed": (
+            make_mlp,
+            *nan_data(),
+            {"gradient_transforms": [kt.SkipNonFinite(), *transforms(kt)]},
+        ),
+        "accumulation3_mixed": (make_mlp, x, y, {**clip, "accumulation_steps": 3}),
+    }
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return {
+            name: _tf_case(make, init, xx, yy, **options)
+            for name, (make, xx, yy, options) in cases.items()
+        }
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _tf_runs(init, x, y):
+    """The float32 TensorFlow runs the JAX ones are compared with."""
+    clip = {"gradient_transforms": transforms(kt)}
+    nan_x, nan_y = nan_data()
+    clean = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]
+    runs = {
+        "micro3_clip": _tf_case(make_mlp, init, x, y, **clip, micro_batches=3),
+        "batch_norm_micro": _tf_case(
+            make_batch_norm, init, x, y, micro_batches=4, batch_norm_updates="per_micro_batch"
+        ),
+        "groups": _tf_case(
+            make_mlp, init, x, y, optimizer=lambda m: grouped_optimizers(kt, m), **clip
+        ),
+        "terms": _tf_case(make_mlp, init, x, y, True, **clip, loss_terms=loss_terms(kt)),
+        "log_norms": _tf_case(
+            make_mlp, init, x, y, True, gradient_transforms=logged_transforms(kt)
+        ),
+        "penalties": _tf_case(make_mlp, init, x, y, True, loss_terms=penalty_terms(kt)),
+        "extra_term": _tf_case(
+            lambda i: with_extra_term(kt, i), init, x, y, loss_terms=loss_terms(kt)[:1]
+        ),
+        "lr_decay_micro": _tf_case(
+            make_mlp, init, x, y, optimizer=lambda m: decayed_optimizer(kt, m), micro_batches=2
+        ),
+        "skip": _tf_case(
+            make_mlp,
+            init,
+            nan_x,
+            nan_y,
+            (nan_x[clean[-32:]], nan_y[clean[-32:]]),
+            gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)],
+        ),
+        "skip_batch_norm": _tf_case(
+            make_batch_norm, init, nan_x, nan_y, gradient_transforms=[kt.SkipNonFinite()]
+        ),
+        "accumulation3": _tf_case(make_mlp, init, x, y, True, **clip, accumulation_steps=3),
+        "accumulation2_micro2": _tf_case(
+            make_mlp, init, x, y, accumulation_steps=2, micro_batches=2
+        ),
+        "accumulation3_sum": _tf_case(
+            make_mlp,
+            init,
+            x,
+            y,
+            optimizer=keras.optimizers.SGD(LR / 16),
+            loss=keras.losses.MeanSquaredError(reduction="sum"),
+            accumulation_steps=3,
+        ),
+    }
+    for name, options in sam_cases(kt).items():
+        runs[name] = _tf_case(make_mlp, init, x, y, **options)
+    return runs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Runs the TensorFlow side here and the JAX cases in their own process."""
+    """Runs the JAX cases in their own process while the TensorFlow side runs here."""
     out = tmp_path_factory.mktemp("jax")
     init = initial_weights()
     np.savez(out / "init.npz", *init)
     x, y = data()
-    tf_runs = {}
-    model = _tf_clip_model(init)
-    history = _tf_fit(model, x, y)
-    tf_runs["clip"] = (model.get_weights(), history)
+    # The file the JAX cases load is written first; the rest runs alongside them.
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=transforms(kt)
+    )
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    tf_runs = {"clip": (model.get_weights(), history)}
     model.save(out / "from_tf.keras")
-    continued = keras.saving.load_model(out / "from_tf.keras")
-    _tf_fit(continued, x, y)
-    tf_runs["tf_file_continued"] = (continued.get_weights(), None)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = _tf_clip_model(init)
-        _tf_fit(model, x, y)
-        tf_runs["clip_mixed"] = (model.get_weights(), None)
-        model = make_mlp(init)
-        model.compile(
-            optimizer=keras.optimizers.SGD(LR),
-            loss="mse",
-            gradient_transforms=transforms(kt),
-            micro_batches=3,
-        )
-        _tf_fit(model, x, y)
-        tf_runs["micro3_clip_mixed"] = (model.get_weights(), None)
-        model = make_mlp(init)
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt))
-        _tf_fit(model, x, y)
-        tf_runs["terms_mixed"] = (model.get_weights(), None)
-        model = make_mlp(init)
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **sam_cases(kt)["sam"])
-        _tf_fit(model, x, y)
-        tf_runs["sam_mixed"] = (model.get_weights(), None)
-        tf_runs["clip_value_mixed"] = _tf_case(
-            make_mlp, init, x, y, gradient_transforms=[kt.ClipByValue(0.01)]
-        )
-        tf_runs["skip_mixed"] = _tf_case(
-            make_mlp, init, *nan_data(), gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)]
-        )
-        tf_runs["accumulation3_mixed"] = _tf_case(
-            make_mlp, init, x, y, gradient_transforms=transforms(kt), accumulation_steps=3
-        )
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    model = make_mlp(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR),
-        loss="mse",
-        gradient_transforms=transforms(kt),
-        micro_batches=3,
-    )
-    _tf_fit(model, x, y)
-    tf_runs["micro3_clip"] = (model.get_weights(), None)
-    model = make_batch_norm(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR),
-        loss="mse",
-        micro_batches=4,
-        batch_norm_updates="per_micro_batch",
-    )
-    _tf_fit(model, x, y)
-    tf_runs["batch_norm_micro"] = (model.get_weights(), None)
-    model = make_mlp(init)
-    model.compile(
-        optimizer=grouped_optimizers(kt, model), loss="mse", gradient_transforms=transforms(kt)
-    )
-    _tf_fit(model, x, y)
-    tf_runs["groups"] = (model.get_weights(), None)
-    model = make_mlp(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR),
-        loss="mse",
-        gradient_transforms=transforms(kt),
-        loss_terms=loss_terms(kt),
-    )
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=(x[:32], y[:32]),
-    ).history
-    tf_runs["terms"] = (model.get_weights(), history)
-    model = make_mlp(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=logged_transforms(kt)
-    )
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=(x[:32], y[:32]),
-    ).history
-    tf_runs["log_norms"] = (model.get_weights(), history)
-    for name, options in sam_cases(kt).items():
-        model = make_mlp(init)
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", **options)
-        history = _tf_fit(model, x, y)
-        tf_runs[name] = (model.get_weights(), history)
-    model = make_mlp(init)
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=penalty_terms(kt))
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=(x[:32], y[:32]),
-    ).history
-    tf_runs["penalties"] = (model.get_weights(), history)
-    model = with_extra_term(kt, init)
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=loss_terms(kt)[:1])
-    _tf_fit(model, x, y)
-    tf_runs["extra_term"] = (model.get_weights(), None)
-    model = make_mlp(init)
-    model.compile(optimizer=decayed_optimizer(kt, model), loss="mse", micro_batches=2)
-    _tf_fit(model, x, y)
-    tf_runs["lr_decay_micro"] = (model.get_weights(), None)
-    nan_x, nan_y = nan_data()
-    clean = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]
-    model = make_mlp(init)
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR),
-        loss="mse",
-        gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)],
-    )
-    history = model.fit(
-        nan_x,
-        nan_y,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        validation_data=(nan_x[clean[-32:]], nan_y[clean[-32:]]),
-    ).history
-    tf_runs["skip"] = (model.get_weights(), history)
-    tf_runs["skip_batch_norm"] = _tf_case(
-        make_batch_norm, init, nan_x, nan_y, gradient_transforms=[kt.SkipNonFinite()]
-    )
-    tf_runs["accumulation3"] = _tf_case(
-        make_mlp, init, x, y, True, gradient_transforms=transforms(kt), accumulation_steps=3
-    )
-    tf_runs["accumulation2_micro2"] = _tf_case(
-        make_mlp, init, x, y, accumulation_steps=2, micro_batches=2
-    )
-    tf_runs["accumulation3_sum"] = _tf_case(
-        make_mlp,
-        init,
-        x,
-        y,
-        optimizer=keras.optimizers.SGD(LR / 16),
-        loss=keras.losses.MeanSquaredError(reduction="sum"),
-        accumulation_steps=3,
-    )
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
@@ -246,14 +173,26 @@ def runs(tmp_path_factory):
         TF_CPP_MIN_LOG_LEVEL="3",
         PYTHONPATH=str(HERE.parent),
     )
-    done = subprocess.run(
-        [sys.executable, str(HERE / "jax_cases.py"), str(out), str(out / "init.npz")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    with open(out / "jax_cases.log", "w+") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / "jax_cases.py"), str(out), str(out / "init.npz")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            continued = keras.saving.load_model(out / "from_tf.keras")
+            continued.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+            tf_runs["tf_file_continued"] = (continued.get_weights(), None)
+            tf_runs.update(_tf_mixed_precision_runs(init, x, y))
+            tf_runs.update(_tf_runs(init, x, y))
+            returncode = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        log.seek(0)
+        assert returncode == 0, log.read()[-8000:]
     return out, tf_runs
 
 
