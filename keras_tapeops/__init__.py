@@ -44,6 +44,7 @@ from keras_tapeops.transforms.clipping import ClipByNorm  # noqa: E402
 from keras_tapeops.transforms.clipping import ClipByValue  # noqa: E402
 from keras_tapeops.transforms.finite import SkipNonFinite  # noqa: E402
 from keras_tapeops.transforms.observe import LogGradientNorm  # noqa: E402
+from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
@@ -67,7 +68,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
     from keras_tapeops.terms.adversarial import TRADES  # noqa: E402
     from keras_tapeops.terms.adversarial import AdversarialLoss  # noqa: E402
-    from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
     from keras_tapeops import physics  # noqa: E402  (kt.physics.BoxSampler, ...)
     from keras_tapeops.derivatives import input_derivatives  # noqa: E402
     from keras_tapeops.physics.condition import ConditionLoss  # noqa: E402

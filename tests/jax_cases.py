@@ -49,6 +49,7 @@ from jax_models import (  # noqa: E402
     make_mlp,
     make_regularized,
     nan_data,
+    update_ratios,
     penalty_terms,
     sample_weights,
     sam_cases,
@@ -204,10 +205,14 @@ def skip_cases(out, init, report):
     model = make_batch_norm(init)
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     save_case(out, "skip_batch_norm_oracle", model, fit(model, x[clean], y[clean]))
+    model = compiled(make_mlp(init), gradient_transforms=update_ratios(kt))
+    save_case(out, "update_ratio", model, fit(model, x, y, **validation))
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
     try:
         model = compiled(make_mlp(init), gradient_transforms=skip)
         save_case(out, "skip_data_parallel", model, fit(model, x, y))
+        model = compiled(make_mlp(init), gradient_transforms=update_ratios(kt))
+        save_case(out, "update_ratio_data_parallel", model, fit(model, x, y))
     finally:
         keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -445,20 +450,6 @@ def main():
     stock_half = make_mlp(init, upgrade=False)
     stock_half.compile(optimizer=keras.optimizers.SGD(LR / 2), loss="mse")
     save_case(out, "half_learning_rate", stock_half, fit(stock_half, x, y))
-
-    # A transform with an after_apply hook is refused on JAX.
-    class AfterApply(kt.GradientTransform):
-        def transform(self, grads, variables, state):
-            return list(grads)
-
-        def after_apply(self, variables, previous, state):
-            return None
-
-    try:
-        plain.compile(optimizer="sgd", loss="mse", gradient_transforms=[AfterApply()])
-        report["after_apply_refusal"] = None
-    except ValueError as error:
-        report["after_apply_refusal"] = str(error)
 
     accumulation_cases(out, init, x, y, report)
     skip_cases(out, init, report)

@@ -21,6 +21,16 @@ def data():
     return x, y
 
 
+def update_ratios(kt):
+    """SkipNonFinite, then two LogUpdateRatio groups around the clip groups."""
+    return [
+        kt.SkipNonFinite(),
+        kt.LogUpdateRatio(where="body*"),
+        *transforms(kt),
+        kt.LogUpdateRatio(where="head", name="head_update_ratio"),
+    ]
+
+
 def nan_data():
     """`data()` with a nan target in the second batch (samples 16-31)."""
     x, y = data()

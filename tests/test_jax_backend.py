@@ -33,6 +33,7 @@ from jax_models import (
     make_batch_norm,
     make_mlp,
     nan_data,
+    update_ratios,
     penalty_terms,
     sam_cases,
     transforms,
@@ -128,6 +129,14 @@ def _tf_runs(init, x, y):
             nan_y,
             (nan_x[clean[-32:]], nan_y[clean[-32:]]),
             gradient_transforms=[kt.SkipNonFinite(), *transforms(kt)],
+        ),
+        "update_ratio": _tf_case(
+            make_mlp,
+            init,
+            nan_x,
+            nan_y,
+            (nan_x[clean[-32:]], nan_y[clean[-32:]]),
+            gradient_transforms=update_ratios(kt),
         ),
         "skip_batch_norm": _tf_case(
             make_batch_norm, init, nan_x, nan_y, gradient_transforms=[kt.SkipNonFinite()]
@@ -261,12 +270,27 @@ def test_subclassed_model_and_transform_gradients_override(runs):
     assert _max_diff(halved, _jax(out, "half_learning_rate")[0]) <= 1e-6
 
 
-def test_a_transform_with_an_after_apply_hook_is_refused(runs):
+def test_log_update_ratio_equals_tensorflow_with_skipped_steps(runs):
+    # after_apply hooks on JAX: the ratio of the applied update (0 for the
+    # step SkipNonFinite skips), in training only, on one device and two.
+    out, tf_runs = runs
+    weights, history = _jax(out, "update_ratio")
+    tf_weights, tf_history = tf_runs["update_ratio"]
+    assert _max_diff(weights, tf_weights) <= 1e-5
+    assert sorted(history) == sorted(tf_history)
+    assert {"update_ratio", "head_update_ratio", "skipped_steps"} <= set(history)
+    assert "val_update_ratio" not in history
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    assert np.all(history["update_ratio"] > 0)
+    parallel, parallel_history = _jax(out, "update_ratio_data_parallel")
+    assert _max_diff(parallel, weights) <= 1e-5
+    np.testing.assert_allclose(parallel_history["update_ratio"], history["update_ratio"], rtol=1e-5)
+
+
+def test_skip_non_finite_max_consecutive_is_refused_on_jax(runs):
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
-    assert report["after_apply_refusal"].startswith(
-        "`gradient_transforms` with AfterApply is not available on the JAX backend yet"
-    )
     assert report["max_consecutive_refusal"].startswith(
         "`gradient_transforms` with SkipNonFinite(max_consecutive=3) is not available on the JAX"
     )

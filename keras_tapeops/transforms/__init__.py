@@ -1,7 +1,5 @@
 """Gradient transforms for `compile(gradient_transforms=[...])`."""
 
-import keras
-
 from keras_tapeops.transforms.adaptive import AdaptiveClip
 from keras_tapeops.transforms.adaptive import CentralizeGradients
 from keras_tapeops.transforms.base import GradientTransform
@@ -10,6 +8,7 @@ from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
 from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.transforms.observe import LogGradientNorm
+from keras_tapeops.transforms.update_ratio import LogUpdateRatio
 
 __all__ = [
     "AdaptiveClip",
@@ -19,12 +18,6 @@ __all__ = [
     "ClipByValue",
     "GradientTransform",
     "LogGradientNorm",
+    "LogUpdateRatio",
     "SkipNonFinite",
 ]
-
-# LogUpdateRatio (an after_apply hook) is TensorFlow-only for now; on JAX
-# `compile()` names it.
-if keras.backend.backend() == "tensorflow":
-    from keras_tapeops.transforms.update_ratio import LogUpdateRatio
-
-    __all__ += ["LogUpdateRatio"]

@@ -4,13 +4,14 @@ from typing import Any
 from typing import Sequence
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops import validation
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import TransformState
+from keras_tapeops.transforms.clipping import add_n
 from keras_tapeops.selectors import Selector
 
 
@@ -78,16 +79,16 @@ class LogUpdateRatio(GradientTransform):
         for v, old in zip(variables, previous):
             if old is None:  # not selected
                 continue
-            old = tf.cast(old, "float32")
-            new = tf.cast(tf.convert_to_tensor(v), "float32")
-            update.append(tf.reduce_sum(tf.square(new - old)))
-            weights.append(tf.reduce_sum(tf.square(old)))
+            old = ops.cast(old, "float32")
+            new = ops.cast(ops.convert_to_tensor(v), "float32")
+            update.append(ops.sum(ops.square(new - old)))
+            weights.append(ops.sum(ops.square(old)))
         if not update:
             return None
-        ratio = tf.sqrt(tf.add_n(update)) / tf.sqrt(tf.add_n(weights))
-        counted = tf.math.is_finite(ratio)
+        ratio = ops.sqrt(add_n(update)) / ops.sqrt(add_n(weights))
+        counted = ops.isfinite(ratio)
         state.metrics[self.name].update_state(
-            tf.where(counted, ratio, 0.0), sample_weight=tf.cast(counted, "float32")
+            ops.where(counted, ratio, 0.0), sample_weight=ops.cast(counted, "float32")
         )
         return None
 

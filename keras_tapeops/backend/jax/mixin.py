@@ -93,6 +93,14 @@ class JaxModelState:
             if type(t).keep_step is not GradientTransform.keep_step
         ]
 
+    def after_apply_hooks(self) -> list[tuple[Any, Any]]:
+        """The bound `(transform, state)` pairs with an `after_apply` hook."""
+        return [
+            (t, s)
+            for t, s in self.transforms
+            if type(t).after_apply is not GradientTransform.after_apply
+        ]
+
     @property
     def training_only_metrics(self) -> list[keras.metrics.Metric]:
         """The transforms' metrics (e.g. `kt.LogGradientNorm`): not in evaluation."""
@@ -471,7 +479,30 @@ class TapeOpsMixin(SavingMethods):
             new_optimizer_vars = [
                 ops.where(keep, n, o) for n, o in zip(new_optimizer_vars, optimizer_vars)
             ]
+        metrics_vars = self._after_apply(new_trainable, trainable, new_optimizer_vars, metrics_vars)
         return new_trainable, new_optimizer_vars, metrics_vars, keep
+
+    def _after_apply(self, new_values, old_values, optimizer_vars, metrics_vars):
+        """Runs the bound transforms' `after_apply` hooks on the step's new values.
+
+        `previous` holds the selected variables' values before the step for
+        a transform with `needs_previous_values` (e.g. `kt.LogUpdateRatio`);
+        what the hooks log is updated statelessly. Returns `metrics_vars`.
+        """
+        state = self.tapeops_state
+        hooked = [] if state is None else state.after_apply_hooks()
+        if not hooked:
+            return metrics_vars
+        optimizer_state = list(zip(self.optimizer.variables, optimizer_vars))
+        with jax_loss.updating_metrics(self, metrics_vars, optimizer_state) as metrics_vars:
+            for transform, transform_state in hooked:
+                previous = None
+                if transform.needs_previous_values:
+                    previous = [
+                        w if on else None for w, on in zip(old_values, transform_state.selected)
+                    ]
+                transform.after_apply(list(new_values), previous, transform_state)
+        return metrics_vars
 
     def _loss_scale(self, optimizer_vars):
         """The LossScaleOptimizer's current scale in this step (None without one)."""

@@ -18,6 +18,7 @@ from keras_tapeops.transforms.clipping import ClipByNorm
 from keras_tapeops.transforms.clipping import ClipByValue
 from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.transforms.observe import LogGradientNorm
+from keras_tapeops.transforms.update_ratio import LogUpdateRatio
 
 #: The compile options the JAX step applies (the others are refused).
 JAX_OPTIONS = (
@@ -30,7 +31,7 @@ JAX_OPTIONS = (
 )
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
-#: is too (training state and step gates included) unless it has `after_apply`.
+#: is too (training state, step gates and `after_apply` hooks included).
 JAX_TRANSFORMS = (
     ClipByNorm,
     ClipByGlobalNorm,
@@ -38,6 +39,7 @@ JAX_TRANSFORMS = (
     AdaptiveClip,
     CentralizeGradients,
     LogGradientNorm,
+    LogUpdateRatio,
     SkipNonFinite,
 )
 
@@ -54,7 +56,7 @@ def _refuse(name: str, value: Any, what: str = "") -> None:
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
         + " and your own kt.Term, and gradient_transforms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TRANSFORMS)
-        + " and your own kt.GradientTransform without after_apply (see docs/backends.md). "
+        + " and your own kt.GradientTransform (see docs/backends.md). "
         f"Use KERAS_BACKEND=tensorflow for it. Received: {name}={value!r}"
     )
 
@@ -128,9 +130,5 @@ def check_jax_transform(transform: GradientTransform) -> None:
             [transform],
             f" with SkipNonFinite(max_consecutive={transform.max_consecutive})",
         )
-    if isinstance(transform, JAX_TRANSFORMS):
-        return
-    if cls.__module__.startswith("keras_tapeops.") or (
-        cls.after_apply is not GradientTransform.after_apply
-    ):
+    if not isinstance(transform, JAX_TRANSFORMS) and cls.__module__.startswith("keras_tapeops."):
         _refuse("gradient_transforms", [transform], f" with {cls.__name__}")
