@@ -30,12 +30,12 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -n 2 -q --durations=25 tests
+	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 tests
 
 # The fast tier (tests marked `unit`: no fit, seconds each) plus a few smoke
 # fits, for the edit-test loop (tests/tiers.json, CONTRIBUTING.md).
 test-fast: $(STAMP)
-	$(PY) -m pytest -n 2 -q -m "unit or smoke" tests
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "unit or smoke" tests
 
 # Keras's own trainer, model, callback, saving and distillation tests, stock and
 # with kt.TapeOpsMixin in every model: fails if a test fails only with the mixin
@@ -70,7 +70,7 @@ $(OLDEST_STAMP): pyproject.toml
 
 # The suite on the oldest supported tensorflow/keras pair, in its own venv.
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST_PY) -m pytest -n 2 -q tests
+	$(OLDEST_PY) -m pytest -n 2 --dist loadgroup -q tests
 
 bench: $(STAMP)
 	@for f in bench/*.py; do [ "$$f" = bench/common.py ] && continue; echo "== $$f"; $(PY) $$f || exit 1; done
