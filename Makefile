@@ -29,13 +29,18 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check keras_tapeops
 	$(PY) -m mypy
 
+# --dist loadfile: each test file runs in one worker, so a file's module-scoped
+# fixture (the JAX cases' process, multi-worker jobs, oracle fits, the fault
+# matrix's references) runs once, not once per worker. (xdist's loadgroup
+# marks do not group on pytest 9: xdist 3.8 rewrites a node id attribute
+# pytest 9 no longer reads.)
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 tests
+	$(PY) -m pytest -n 2 --dist loadfile -q --durations=25 tests
 
 # The fast tier (tests marked `unit`: no fit, seconds each) plus a few smoke
 # fits, for the edit-test loop (tests/tiers.json, CONTRIBUTING.md).
 test-fast: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q -m "unit or smoke" tests
+	$(PY) -m pytest -n 2 --dist loadfile -q -m "unit or smoke" tests
 
 # Keras's own trainer, model, callback, saving and distillation tests, stock and
 # with kt.TapeOpsMixin in every model: fails if a test fails only with the mixin
@@ -70,7 +75,7 @@ $(OLDEST_STAMP): pyproject.toml
 
 # The suite on the oldest supported tensorflow/keras pair, in its own venv.
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST_PY) -m pytest -n 2 --dist loadgroup -q tests
+	$(OLDEST_PY) -m pytest -n 2 --dist loadfile -q tests
 
 bench: $(STAMP)
 	@for f in bench/*.py; do [ "$$f" = bench/common.py ] && continue; echo "== $$f"; $(PY) $$f || exit 1; done

@@ -103,33 +103,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "smoke: a quick fit that `make test-fast` runs")
 
 
-# Files whose tests share an expensive module-scoped fixture (a process of
-# JAX cases, multi-worker jobs, an example's run, an oracle fit): `make test`
-# runs pytest with `--dist loadgroup`, and each file's tests go to one worker,
-# so the fixture runs once instead of once per worker.
-_SHARED_FIXTURE_FILES = {
-    "tests/test_jax_backend.py",
-    "tests/test_multi_worker.py",
-    "tests/test_example_gradient_norms.py",
-    "tests/test_example_pinn.py",
-    "tests/test_real_models.py",
-    "tests/test_multi_task_models.py",
-    "tests/test_terms_fit.py",
-    "tests/test_clipping_fit.py",
-    "tests/test_adaptive.py",
-    "tests/test_observability.py",
-    "tests/test_groups_fit.py",
-    "tests/test_skip_non_finite.py",
-    "tests/test_sparse_exactness.py",
-}
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         node = item.nodeid
-        path = node.split("::")[0]
-        if path in _SHARED_FIXTURE_FILES:
-            item.add_marker(pytest.mark.xdist_group(path))
         if node in _UNIT:
             item.add_marker(pytest.mark.unit)
         if node in _SMOKE:
