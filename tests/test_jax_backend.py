@@ -216,6 +216,20 @@ def _max_diff(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
 
+def _equals_tensorflow(out, tf_runs, name):
+    """The JAX run `name` against TensorFlow's: weights within 1e-5, the same
+    History keys, each entry within rtol 1e-5. Returns the JAX `(weights, history)`."""
+    weights, history = _jax(out, name)
+    tf_weights, tf_history = tf_runs[name]
+    assert _max_diff(weights, tf_weights) <= 1e-5, name
+    assert sorted(history) == sorted(tf_history), name
+    for key in tf_history:
+        np.testing.assert_allclose(
+            history[key], tf_history[key], rtol=1e-5, err_msg=f"{name}: {key}"
+        )
+    return weights, history
+
+
 def test_jax_path_runs_without_tensorflow_on_two_devices(runs):
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
@@ -274,14 +288,9 @@ def test_log_update_ratio_equals_tensorflow_with_skipped_steps(runs):
     # after_apply hooks on JAX: the ratio of the applied update (0 for the
     # step SkipNonFinite skips), in training only, on one device and two.
     out, tf_runs = runs
-    weights, history = _jax(out, "update_ratio")
-    tf_weights, tf_history = tf_runs["update_ratio"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history)
+    weights, history = _equals_tensorflow(out, tf_runs, "update_ratio")
     assert {"update_ratio", "head_update_ratio", "skipped_steps"} <= set(history)
     assert "val_update_ratio" not in history
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
     assert np.all(history["update_ratio"] > 0)
     parallel, parallel_history = _jax(out, "update_ratio_data_parallel")
     assert _max_diff(parallel, weights) <= 1e-5
@@ -301,12 +310,8 @@ def test_skip_non_finite_equals_tensorflow_and_training_without_the_batch(runs):
     # optimizer and BatchNormalization statistics), which is training on the
     # three other batches; History logs `skipped_steps` (training only).
     out, tf_runs = runs
-    weights, history = _jax(out, "skip")
-    tf_weights, tf_history = tf_runs["skip"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history) == ["loss", "skipped_steps", "val_loss"]
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    weights, history = _equals_tensorflow(out, tf_runs, "skip")
+    assert sorted(history) == ["loss", "skipped_steps", "val_loss"]
     np.testing.assert_array_equal(history["skipped_steps"], [1.0, 1.0])
     assert _max_diff(weights, _jax(out, "skip_oracle")[0]) <= 1e-6
     assert _max_diff(weights, _jax(out, "clip")[0]) > 1e-4  # the check can fail
@@ -409,13 +414,9 @@ def test_loss_terms_equal_tensorflow_with_history_and_validation(runs):
     # An ActivationPenalty, a LossTerm(layers=[...]) reading the model's
     # weights, a training-only LossTerm; with the three clip groups.
     out, tf_runs = runs
-    weights, history = _jax(out, "terms")
-    tf_weights, tf_history = tf_runs["terms"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history)
+    weights, history = _equals_tensorflow(out, tf_runs, "terms")
+    tf_weights = tf_runs["terms"][0]
     assert "mean_output" in history and "val_mean_output" not in history
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
     assert _max_diff(_jax(out, "clip")[0], tf_weights) > 1e-4  # the terms change the result
     for name in ("terms_eager", "terms_data_parallel"):
         assert _max_diff(_jax(out, name)[0], weights) <= 1e-5, name
@@ -426,16 +427,8 @@ def test_loss_terms_equal_tensorflow_with_history_and_validation(runs):
 
 def test_log_gradient_norm_equals_tensorflow_and_is_training_only(runs):
     out, tf_runs = runs
-    weights, history = _jax(out, "log_norms")
-    tf_weights, tf_history = tf_runs["log_norms"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert (
-        sorted(history)
-        == sorted(tf_history)
-        == ["clipped_body_norm", "loss", "raw_norm", "raw_norm_max", "val_loss"]
-    )
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    weights, history = _equals_tensorflow(out, tf_runs, "log_norms")
+    assert sorted(history) == ["clipped_body_norm", "loss", "raw_norm", "raw_norm_max", "val_loss"]
     assert np.all(history["raw_norm_max"] > history["raw_norm"])
     data_parallel, data_parallel_history = _jax(out, "log_norms_data_parallel")
     assert _max_diff(data_parallel, weights) <= 1e-5
@@ -447,12 +440,7 @@ def test_log_gradient_norm_equals_tensorflow_and_is_training_only(runs):
 @pytest.mark.parametrize("case", ["sam", "asam_where_clip", "sam_micro", "sam_terms"])
 def test_sharpness_aware_equals_tensorflow(runs, case):
     out, tf_runs = runs
-    weights, history = _jax(out, case)
-    tf_weights, tf_history = tf_runs[case]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history)
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    weights, history = _equals_tensorflow(out, tf_runs, case)
 
 
 def test_sharpness_aware_on_two_devices_in_mixed_precision_and_can_fail(runs):
@@ -467,13 +455,8 @@ def test_input_gradient_terms_equal_tensorflow(runs):
     # kt.GradientPenalty (in validation too) and an own term reading
     # context.input_gradients() with the default target (all outputs).
     out, tf_runs = runs
-    weights, history = _jax(out, "penalties")
-    tf_weights, tf_history = tf_runs["penalties"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history)
+    weights, history = _equals_tensorflow(out, tf_runs, "penalties")
     assert {"gradient_penalty", "val_gradient_penalty", "input_gradient_square"} <= set(history)
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
 
 
 def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
@@ -505,12 +488,8 @@ def test_accumulation_equals_tensorflow_and_the_hand_written_loop(runs):
     # three clip groups and validation; the hand loop clips each window's
     # sample-weighted mean gradient.
     out, tf_runs = runs
-    weights, history = _jax(out, "accumulation3")
-    tf_weights, tf_history = tf_runs["accumulation3"]
-    assert _max_diff(weights, tf_weights) <= 1e-5
-    assert sorted(history) == sorted(tf_history) == ["loss", "val_loss"]
-    for key in tf_history:
-        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-5, err_msg=key)
+    weights, history = _equals_tensorflow(out, tf_runs, "accumulation3")
+    assert sorted(history) == ["loss", "val_loss"]
     assert _max_diff(weights, _jax(out, "accumulation3_hand")[0]) <= 1e-6
     assert _max_diff(weights, _jax(out, "clip")[0]) > 1e-4  # the check can fail
     report = json.loads((out / "report.json").read_text())
