@@ -25,7 +25,7 @@ import numpy as np
 from keras_tapeops._keras import private
 from keras_tapeops import accumulation
 from keras_tapeops import paths
-from keras_tapeops.transforms.base import GradientTransform
+from keras_tapeops.transforms.base import with_hook
 
 
 class ModelState:
@@ -198,9 +198,7 @@ class ModelState:
     @property
     def gates(self):
         """True if a bound transform may skip a step (`keep_step`)."""
-        return any(
-            type(t).keep_step is not GradientTransform.keep_step for t, _ in self.transforms or []
-        )
+        return bool(with_hook(self.transforms or [], "keep_step"))
 
     @property
     def variables_bound(self):

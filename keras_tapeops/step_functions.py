@@ -12,30 +12,16 @@ from __future__ import annotations
 from typing import Any
 from typing import Callable
 
-import keras
 
-from keras_tapeops import accumulation
 from keras_tapeops import name_checks
 from keras_tapeops import step_watch
 from keras_tapeops._keras import private
+from keras_tapeops.accumulation.flush import FlushingFit
 from keras_tapeops.hook_overrides import overrides
-from keras_tapeops.typing_aliases import ModelMixinBase
 
 
-class StepFunctionMethods(ModelMixinBase):
-    """`fit`, `make_train_function`/`make_test_function` and the name checks."""
-
-    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
-        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
-
-        A window cut short by the end of an epoch is applied before
-        validation and before other callbacks' `on_epoch_end` (see
-        `keras_tapeops.accumulation.AccumulationFlush`).
-        """
-        options = self.tapeops_options
-        if options is not None and options.accumulation_steps > 1:
-            args, kwargs = accumulation.add_flush_callback(self, args, kwargs)
-        return super().fit(*args, **kwargs)
+class StepFunctionMethods(FlushingFit):
+    """`fit` (`FlushingFit`), `make_train_function`/`make_test_function`, the name checks."""
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras's build before the first step fails under

@@ -11,6 +11,7 @@ statistics that the forward pass already updated are put back.
 import tensorflow as tf
 
 from keras_tapeops.accumulation.batch_norm import moving_statistics
+from keras_tapeops.transforms.base import with_hook
 
 
 def keep_step_function(bound):
@@ -23,7 +24,7 @@ def keep_step_function(bound):
         A callable for `true_gradients.apply_transformed(keep_step=...)`, or
         None when no transform gates.
     """
-    gating = [(t, s) for t, s in bound if _overrides(t, "keep_step")]
+    gating = with_hook(bound, "keep_step")
     if not gating:
         return None
 
@@ -45,7 +46,7 @@ def after_apply_function(bound, variables):
     Values the transforms asked for (`needs_previous_values`) are read now,
     before the optimizer step, and handed to them after it.
     """
-    hooked = [(t, s) for t, s in bound if _overrides(t, "after_apply")]
+    hooked = with_hook(bound, "after_apply")
     if not hooked:
         return None
     previous = {}
@@ -82,9 +83,3 @@ def restore_unless(keep, snapshot):
         return
     for variable, old in snapshot:
         variable.assign(tf.where(keep, tf.convert_to_tensor(variable), old))
-
-
-def _overrides(transform, method):
-    from keras_tapeops.transforms.base import GradientTransform
-
-    return getattr(type(transform), method) is not getattr(GradientTransform, method)

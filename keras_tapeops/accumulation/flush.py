@@ -8,7 +8,8 @@ the samples it saw) as soon as the epoch's training batches are done: in
 `ModelCheckpoint`, `BackupAndRestore` and validation see the flushed weights.
 `on_epoch_begin` and `on_train_begin` start a fresh window.
 
-`TapeOpsMixin.fit()` adds this callback itself; users never need to.
+`TapeOpsMixin.fit()` (`FlushingFit`, on both backends) adds this callback
+itself; users never need to.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import inspect
 import keras
 
 from keras_tapeops.typing_aliases import Logs
+from keras_tapeops.typing_aliases import ModelMixinBase
 
 
 class AccumulationFlush(keras.callbacks.Callback):
@@ -98,3 +100,27 @@ def add_flush_callback(
     callbacks = [c for c in callbacks if not isinstance(c, AccumulationFlush)]
     arguments["callbacks"] = [AccumulationFlush()] + list(callbacks)
     return (), arguments
+
+
+class FlushingFit(ModelMixinBase):
+    """`fit()` that adds `AccumulationFlush` first when `accumulation_steps > 1`.
+
+    A base of `TapeOpsMixin` on every backend (before `keras.Model`).
+
+    Example:
+    ```python
+    class Net(FlushingFit, keras.Model): ...  # (TapeOpsMixin includes it)
+    ```
+    """
+
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
+
+        A window cut short by the end of an epoch is applied before
+        validation and before other callbacks' `on_epoch_end` (see
+        `AccumulationFlush`).
+        """
+        options = self.tapeops_options
+        if options is not None and options.accumulation_steps > 1:
+            args, kwargs = add_flush_callback(self, args, kwargs)
+        return super().fit(*args, **kwargs)

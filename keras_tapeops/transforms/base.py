@@ -214,6 +214,30 @@ class GradientTransform(ConfigRepr):
         return cls(**config)
 
 
+def with_hook(
+    bound: Sequence[tuple[GradientTransform, TransformState]], method: str
+) -> list[tuple[GradientTransform, TransformState]]:
+    """The bound pairs whose transform overrides `method` (`"keep_step"`, `"after_apply"`).
+
+    Args:
+        bound: `(transform, state)` pairs.
+        method: the name of a `GradientTransform` hook.
+
+    Returns:
+        The pairs, in order, whose class defines its own `method`.
+
+    Example:
+    ```python
+    gates = with_hook(bound, "keep_step")  # e.g. [(kt.SkipNonFinite(), state)]
+    ```
+    """
+    return [
+        (t, s)
+        for t, s in bound
+        if getattr(type(t), method) is not getattr(GradientTransform, method)
+    ]
+
+
 def apply_in_order(
     bound: Sequence[tuple[GradientTransform, TransformState]],
     grads: Sequence[Any],

@@ -104,14 +104,10 @@ class AccumulationWindow(CarriedState):
         """The sums, then the sample count, the normalizer and the batch count."""
         return [*self.sums, self.samples, self.normalizer, self.batches]
 
-    def clear(self) -> None:
-        """Discards the current window (eager)."""
-        for variable in self.window_variables:
-            variable.assign(ops.zeros(variable.shape, variable.dtype))
-
     def reset(self) -> None:
         """Discards the current window (eager; what `AccumulationFlush` calls)."""
-        self.clear()
+        for variable in self.window_variables:
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
 
     # ------------------------------------------------------------ train step
     def check_batch(
@@ -227,7 +223,7 @@ class AccumulationWindow(CarriedState):
         if self.pending_batches() == 0:
             return False
         if float(ops.convert_to_numpy(self.samples.value)) == 0:
-            self.clear()
+            self.reset()
             return False
         present = getattr(self, "_present", [True] * len(self.sums))
         sums = [v.value for v in self.sums]
@@ -245,7 +241,7 @@ class AccumulationWindow(CarriedState):
         ]:
             for variable, value in zip(group, values):
                 variable.assign(value)
-        self.clear()
+        self.reset()
         return True
 
 

@@ -21,7 +21,7 @@ import keras
 from keras import ops
 
 from keras_tapeops._keras import jax_trainer
-from keras_tapeops.accumulation.flush import add_flush_callback
+from keras_tapeops.accumulation.flush import FlushingFit
 from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
@@ -38,8 +38,8 @@ from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
-from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.transforms.base import apply_in_order
+from keras_tapeops.transforms.base import with_hook
 
 
 class JaxModelState:
@@ -87,19 +87,11 @@ class JaxModelState:
 
     def gates(self) -> list[tuple[Any, Any]]:
         """The bound `(transform, state)` pairs whose `keep_step` may skip a step."""
-        return [
-            (t, s)
-            for t, s in self.transforms
-            if type(t).keep_step is not GradientTransform.keep_step
-        ]
+        return with_hook(self.transforms, "keep_step")
 
     def after_apply_hooks(self) -> list[tuple[Any, Any]]:
         """The bound `(transform, state)` pairs with an `after_apply` hook."""
-        return [
-            (t, s)
-            for t, s in self.transforms
-            if type(t).after_apply is not GradientTransform.after_apply
-        ]
+        return with_hook(self.transforms, "after_apply")
 
     @property
     def training_only_metrics(self) -> list[keras.metrics.Metric]:
@@ -138,7 +130,7 @@ class JaxModelState:
         return []
 
 
-class TapeOpsMixin(SavingMethods):
+class TapeOpsMixin(SavingMethods, FlushingFit):
     """Mix into a Keras model (first base) to get keras_tapeops options in `compile()`.
 
     The JAX backend's mixin: Keras's stateless JAX step with the compiled
@@ -217,18 +209,6 @@ class TapeOpsMixin(SavingMethods):
         if state is not None and self.compiled:
             metrics = metrics + state.metrics
         return metrics
-
-    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
-        """Stock `fit()`; with `accumulation_steps > 1` it also flushes windows.
-
-        A window cut short by the end of an epoch is applied before
-        validation and before other callbacks' `on_epoch_end` (see
-        `keras_tapeops.accumulation.AccumulationFlush`).
-        """
-        options = self.tapeops_options
-        if options is not None and options.accumulation_steps > 1:
-            args, kwargs = add_flush_callback(self, args, kwargs)
-        return super().fit(*args, **kwargs)
 
     def build_tapeops(self) -> JaxModelState | None:
         """Binds this model's state to its variables once they exist; returns it."""
@@ -474,7 +454,9 @@ class TapeOpsMixin(SavingMethods):
         new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
         )
-        if keep is not None and self._loss_scale(optimizer_vars) is None:
+        if keep is not None and not isinstance(
+            self.optimizer, keras.optimizers.LossScaleOptimizer
+        ):  # a LossScaleOptimizer skips it itself (an overflow)
             new_trainable = [ops.where(keep, n, o) for n, o in zip(new_trainable, trainable)]
             new_optimizer_vars = [
                 ops.where(keep, n, o) for n, o in zip(new_optimizer_vars, optimizer_vars)
