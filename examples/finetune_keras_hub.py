@@ -84,7 +84,7 @@ def main():
 
     classifier = kt.upgrade(build_classifier())
     # The mixin's own method bases (saving, metrics, step functions) are left out.
-    mro = [c.__name__ for c in type(classifier).__mro__ if c not in kt.TapeOpsMixin.__bases__]
+    mro = [c.__name__ for c in type(classifier).__mro__ if c not in kt.TapeOpsMixin.__mro__[1:]]
     print(f"upgraded class: {type(classifier).__name__}; "
           f"still a BertTextClassifier: {isinstance(classifier, keras_hub.models.BertTextClassifier)}; "
           f"preprocessor: {type(classifier.preprocessor).__name__}")
