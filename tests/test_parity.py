@@ -125,6 +125,37 @@ def test_functional_two_outputs_loss_dict_matches_stock():
         )
 
 
+def _counting_two_output_model(base, traces):
+    """`_two_output_functional` as a `base` subclass whose step records each trace."""
+
+    class Counting(base):
+        def train_step(self, data):
+            traces.append(type(self).__name__)
+            return super().train_step(data)
+
+    plain = _two_output_functional()
+    return Counting(plain.inputs, plain.outputs, name="two_heads")
+
+
+@pytest.mark.parametrize("base, expected", [
+    (keras.Model, 2),  # stock Keras builds the per-output loss trackers in the first trace
+    (kt.TapeOpsMixin, 1),
+], ids=["stock", "mixin"])
+def test_two_output_model_step_is_traced(base, expected):
+    """The mixin builds a multi-output compiled loss before the first trace: one trace.
+
+    If Keras stops tracing twice, the stock row fails: then
+    `_keras.private._build_multi_output_loss` can go.
+    """
+    x, y = classification_data()
+    traces = []
+    bases = (base,) if base is keras.Model else (base, keras.Model)
+    model = _counting_two_output_model(type("Base", bases, {}), traces)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss={"cls": LOSS, "reg": "mse"})
+    model.fit(x, {"cls": y, "reg": x[:, :1]}, batch_size=16, epochs=2, verbose=0)
+    assert len(traces) == expected, traces
+
+
 class AddLossNet(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

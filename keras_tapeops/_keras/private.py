@@ -217,7 +217,9 @@ def maybe_symbolic_build(model, iterator, data_batch, stock):
     strategy = model.distribute_strategy
     several = _is_multi_worker(strategy) or strategy.num_replicas_in_sync > 1
     if iterator is None or not several:
-        return stock(iterator=iterator, data_batch=data_batch)
+        stock(iterator=iterator, data_batch=data_batch)
+        _build_multi_output_loss(model, iterator, data_batch)
+        return
     for item in iterator:
         # Keras 3.15 yields (begin, end, iterator), Keras 3.10 (step, iterator).
         data_batch = next(item[-1])
@@ -232,6 +234,30 @@ def maybe_symbolic_build(model, iterator, data_batch, stock):
     )
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+
+
+def _build_multi_output_loss(model, iterator, data_batch):
+    """Builds a multi-output model's compiled loss before the step is traced.
+
+    Without a strategy scope Keras 3.10-3.15 defers the build to the first
+    trace of `train_function`. A multi-output `CompileLoss` then creates its
+    per-output `Mean` trackers (variables) inside that trace, so
+    `tf.function` traces the whole step twice: the first `fit` of every
+    multi-output model (every task-balancing model) pays for two traces.
+    Keras's own symbolic build (the one it runs under a strategy) from the
+    dataset's `element_spec` creates them first; nothing is read from the
+    data, and every other model keeps Keras's deferred build.
+    """
+    loss = getattr(model, "_compile_loss", None)
+    outputs = getattr(model, "outputs", None) or ()
+    if loss is None or loss.built or len(outputs) < 2:
+        return
+    if data_batch is None:
+        dataset = getattr(iterator, "_distributed_dataset", None)
+        data_batch = getattr(dataset, "element_spec", None)
+        if data_batch is None:
+            return
+    model._symbolic_build(data_batch=data_batch)
 
 
 def _is_multi_worker(strategy):
