@@ -36,6 +36,8 @@ from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
+from keras_tapeops import privacy  # noqa: E402  (kt.privacy.epsilon, ...; poisson_batches on TF)
+from keras_tapeops.privacy.dpsgd import DPSGD  # noqa: E402
 from keras_tapeops.transforms.adaptive import AdaptiveClip  # noqa: E402
 from keras_tapeops.transforms.adaptive import CentralizeGradients  # noqa: E402
 from keras_tapeops.transforms.base import GradientTransform  # noqa: E402
@@ -55,8 +57,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
     from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
     from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
-    from keras_tapeops import privacy  # noqa: E402  (kt.privacy.epsilon, kt.privacy.poisson_batches, ...)
-    from keras_tapeops.privacy.dpsgd import DPSGD  # noqa: E402
     from keras_tapeops import gan  # noqa: E402,F401  (kt.gan.losses, kt.gan.DiscriminatorPenalty)
     from keras_tapeops.gan import GAN  # noqa: E402
     from keras_tapeops.gan import R1Penalty  # noqa: E402

@@ -37,6 +37,9 @@ import keras_tapeops as kt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from jax_models import (  # noqa: E402
+    DP_CLIP,
+    dp_cases,
+    dp_mixed_optimizer,
     BATCH,
     EPOCHS,
     LR,
@@ -228,6 +231,108 @@ def skip_cases(out, init, report):
         report["max_consecutive_refusal"] = None
     except ValueError as error:
         report["max_consecutive_refusal"] = str(error)
+
+
+def hand_written_dp_loop(init, x, y):
+    """DP-SGD written out: `jax.grad` example by example (no vmap), clip, sum, mean, SGD."""
+    model = make_mlp(init, upgrade=False)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(values, x_i, y_i):
+        pred, _ = model.stateless_call(values, non_trainable, x_i[None])
+        return jax.numpy.mean((pred - y_i[None]) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), BATCH):
+            total = [jax.numpy.zeros_like(w) for w in trainable]
+            for i in range(start, start + BATCH):
+                g = grad(trainable, x[i], y[i])
+                norm = jax.numpy.sqrt(sum(jax.numpy.sum(t**2) for t in g))
+                factor = jax.numpy.minimum(1.0, DP_CLIP / norm)
+                total = [a + factor * b for a, b in zip(total, g)]
+            trainable = [w - LR * t / BATCH for w, t in zip(trainable, total)]
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    return model
+
+
+def privacy_cases(out, init, x, y, report):
+    """DP-SGD: noise off (against TF and the hand loop), noise on, two devices, refusals."""
+    validation = {"validation_data": (x[:32], y[:32])}
+    for name, options in dp_cases(kt).items():
+        model = compiled(make_mlp(init), **options)
+        save_case(out, name, model, fit(model, x, y, **validation))
+    save_case(out, "dp_hand", hand_written_dp_loop(init, x, y), {})
+    model = compiled(make_mlp(init), differential_privacy=kt.DPSGD(1e6, 0.0))
+    save_case(out, "dp_unclipped", model, fit(model, x, y))
+    model = compiled(
+        make_regularized(init, activity=False), differential_privacy=kt.DPSGD(DP_CLIP, 0.0)
+    )
+    save_case(out, "dp_regularized", model, fit(model, x, y))
+    model = compiled(make_mlp(init), differential_privacy=kt.DPSGD(DP_CLIP, 0.0))
+    save_case(out, "dp_nan", model, fit(model, *nan_data()))
+    seeded = kt.DPSGD(DP_CLIP, 2.0, seed=11)
+    for name in ("dp_noise", "dp_noise_again"):
+        model = compiled(make_mlp(init), differential_privacy=seeded)
+        save_case(out, name, model, fit(model, x, y))
+    devices = jax.devices()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), **dp_cases(kt)["dp"])
+        save_case(out, "dp_data_parallel", model, fit(model, x, y, **validation))
+        model = compiled(make_mlp(init), differential_privacy=seeded)
+        save_case(out, "dp_noise_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_mlp(init)
+        model.compile(optimizer=dp_mixed_optimizer(), loss="mse", **dp_cases(kt)["dp"])
+        save_case(out, "dp_mixed", model, fit(model, x, y))
+        report["dp_mixed_iterations"] = int(model.optimizer.iterations)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+    # The noise of one step, alone: (no noise - noise) * batch / lr, per weight.
+    after = []
+    for sigma in (0.0, 2.0):
+        model = make_mlp(init)
+        model.compile(
+            optimizer=keras.optimizers.SGD(1.0),
+            loss="mse",
+            differential_privacy=kt.DPSGD(DP_CLIP, sigma, seed=5),
+        )
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        after.append(np.concatenate([w.ravel() for w in model.get_weights()]))
+    drawn = (after[0] - after[1]) * BATCH
+    report["dp_noise"] = {"mean": float(drawn.mean()), "std": float(drawn.std()), "n": drawn.size}
+
+    refusals, kept = {}, {}
+    for name, make, options, fit_kwargs in [
+        ("micro_batches", make_mlp, {"micro_batches": 2}, None),
+        ("accumulation_steps", make_mlp, {"accumulation_steps": 2}, None),
+        ("loss_terms", make_mlp, {"loss_terms": loss_terms(kt)[:1]}, None),
+        ("sum_loss", make_mlp, {"loss": keras.losses.MeanSquaredError(reduction="sum")}, None),
+        ("batch_norm", make_batch_norm, {}, None),
+        ("activity_regularizer", make_regularized, {}, {}),
+        ("sample_weight", make_mlp, {}, {"sample_weight": sample_weights()}),
+    ]:
+        model = make(init)
+        before = [w.copy() for w in model.get_weights()]
+        try:
+            model.compile(
+                **{"optimizer": keras.optimizers.SGD(LR), "loss": "mse", **options},
+                differential_privacy=kt.DPSGD(DP_CLIP, 1.0),
+            )
+            if fit_kwargs is not None:
+                fit(model, x, y, **fit_kwargs)
+            refusals[name] = None
+        except ValueError as error:
+            refusals[name] = str(error)
+        kept[name] = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    report["dp_refusals"], report["dp_weights_kept"] = refusals, kept
 
 
 def main():
@@ -453,11 +558,11 @@ def main():
 
     accumulation_cases(out, init, x, y, report)
     skip_cases(out, init, report)
+    privacy_cases(out, init, x, y, report)
 
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}
     for option, value in [
-        ("differential_privacy", "a DPSGD"),
         ("task_balancing", "a PCGrad"),
         ("sample_selection", "a TopLoss"),
         ("adversarial_training", "an attack"),
@@ -473,7 +578,7 @@ def main():
         )
     report["refusals"] = refusals
     try:
-        kt.DPSGD  # noqa: B018
+        kt.PCGrad  # noqa: B018
     except AttributeError as error:
         report["missing_name"] = str(error)
     report["tensorflow_imported"] = "tensorflow" in sys.modules

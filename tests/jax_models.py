@@ -79,8 +79,11 @@ def sample_weights():
     return np.random.default_rng(2).uniform(0.2, 1.8, size=(64,)).astype("float32")
 
 
-def make_regularized(init, upgrade=True):
-    """The MLP with an L2 kernel regularizer (body1) and an activity regularizer (body2)."""
+def make_regularized(init, upgrade=True, activity=True):
+    """The MLP with an L2 kernel regularizer (body1) and an activity regularizer (body2).
+
+    `activity=False` leaves the activity regularizer out (DP-SGD refuses it).
+    """
     model = keras.Sequential(
         [
             keras.Input((8,)),
@@ -91,7 +94,7 @@ def make_regularized(init, upgrade=True):
                 16,
                 activation="tanh",
                 name="body2",
-                activity_regularizer=keras.regularizers.L1(0.01),
+                activity_regularizer=keras.regularizers.L1(0.01) if activity else None,
             ),
             keras.layers.Dense(1, name="head"),
         ]
@@ -209,3 +212,24 @@ def penalty_terms(kt):
         kt.GradientPenalty(weight=0.5, target=1.0, in_validation=True),
         InputGradientSquare(weight=2.0),
     ] + loss_terms(kt)[:2]
+
+
+#: DP-SGD's clipping bound in the cross-backend cases (the per-example
+#: gradients of `data()` are larger: every example is clipped).
+DP_CLIP = 0.5
+
+
+def dp_cases(kt):
+    """DP-SGD configurations both backends train with the noise off (name -> kwargs)."""
+    return {
+        "dp": {"differential_privacy": kt.DPSGD(DP_CLIP, 0.0)},
+        "dp_clip_transforms": {
+            "differential_privacy": kt.DPSGD(DP_CLIP, 0.0, method="vectorized"),
+            "gradient_transforms": transforms(kt),
+        },
+    }
+
+
+def dp_mixed_optimizer():
+    """SGD under a loss scale low enough that neither backend overflows (see the test)."""
+    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=256.0)

@@ -22,6 +22,9 @@ import pytest
 import keras_tapeops as kt
 from jax_models import (
     BATCH,
+    DP_CLIP,
+    dp_cases,
+    dp_mixed_optimizer,
     EPOCHS,
     LR,
     data,
@@ -32,6 +35,7 @@ from jax_models import (
     loss_terms,
     make_batch_norm,
     make_mlp,
+    make_regularized,
     nan_data,
     update_ratios,
     penalty_terms,
@@ -87,6 +91,7 @@ def _tf_mixed_precision_runs(init, x, y):
             {"gradient_transforms": [kt.SkipNonFinite(), *transforms(kt)]},
         ),
         "accumulation3_mixed": (make_mlp, x, y, {**clip, "accumulation_steps": 3}),
+        "dp_mixed": (make_mlp, x, y, {**dp_cases(kt)["dp"], "optimizer": dp_mixed_optimizer()}),
     }
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -157,6 +162,13 @@ def _tf_runs(init, x, y):
     }
     for name, options in sam_cases(kt).items():
         runs[name] = _tf_case(make_mlp, init, x, y, **options)
+    for name, options in dp_cases(kt).items():
+        runs[name] = _tf_case(make_mlp, init, x, y, True, **options)
+    dp = dp_cases(kt)["dp"]
+    runs["dp_nan"] = _tf_case(make_mlp, init, nan_x, nan_y, **dp)
+    runs["dp_regularized"] = _tf_case(
+        lambda w: make_regularized(w, activity=False), init, x, y, **dp
+    )
     return runs
 
 
@@ -525,7 +537,6 @@ def test_accumulation_refuses_what_it_cannot_weight_before_training(runs, case, 
 @pytest.mark.parametrize(
     "option",
     [
-        "differential_privacy",
         "task_balancing",
         "sample_selection",
         "adversarial_training",
@@ -539,4 +550,87 @@ def test_options_jax_lacks_are_refused_by_name(runs, option):
     assert message.startswith(f"`{option}` is not available on the JAX backend yet")
     assert "Received: " + option in message
     assert all(report["weights_kept"])
-    assert "kt.DPSGD is not available on the jax backend" in report["missing_name"]
+    assert "kt.PCGrad is not available on the jax backend" in report["missing_name"]
+
+
+# ---------------------------------------------------------------- DP-SGD
+@pytest.mark.parametrize("name", ["dp", "dp_clip_transforms", "dp_regularized"])
+def test_dp_sgd_equals_tensorflow_with_the_noise_off(runs, name):
+    """Per-example gradients by jax.vmap equal TensorFlow's ghost norms (and its
+    vectorized fallback, with the clip groups after), History included."""
+    out, tf_runs = runs
+    _equals_tensorflow(out, tf_runs, name)
+
+
+def test_dp_sgd_in_mixed_precision_equals_tensorflow_to_float16_rounding(runs):
+    """Under mixed_float16 (a loss scale that overflows neither backend) the runs agree
+    to float16 rounding: JAX forms each example's gradient in float16, TensorFlow's
+    ghost norms contract in float32. (At a higher scale JAX overflows first and its
+    LossScaleOptimizer skips a step TensorFlow applies: docs/backends.md.)"""
+    out, tf_runs = runs
+    weights, history = _jax(out, "dp_mixed")
+    tf_weights, tf_history = tf_runs["dp_mixed"]
+    assert json.loads((out / "report.json").read_text())["dp_mixed_iterations"] == 8
+    assert _max_diff(weights, tf_weights) <= 1e-4
+    assert sorted(history) == sorted(tf_history)
+    for key in tf_history:
+        np.testing.assert_allclose(history[key], tf_history[key], rtol=1e-4, err_msg=key)
+
+
+def test_dp_sgd_equals_the_hand_written_per_example_loop_and_can_fail(runs):
+    out, _ = runs
+    weights, history = _jax(out, "dp")
+    hand, _ = _jax(out, "dp_hand")
+    assert _max_diff(weights, hand) <= 1e-6
+    assert history["dp_nonfinite_examples"].tolist() == [0.0, 0.0]
+    # Without clipping (C = 1e6) the run ends elsewhere: the clip acts.
+    unclipped, _ = _jax(out, "dp_unclipped")
+    assert _max_diff(unclipped, hand) > 1e-2
+
+
+def test_dp_sgd_zeroes_a_nan_example_like_tensorflow(runs):
+    out, tf_runs = runs
+    weights, history = _equals_tensorflow(out, tf_runs, "dp_nan")
+    assert all(np.isfinite(w).all() for w in weights)
+    assert history["dp_nonfinite_examples"].tolist() == [1.0, 1.0]
+
+
+def test_dp_sgd_on_two_devices_equals_one_device_with_and_without_noise(runs):
+    out, _ = runs
+    for one, two in [("dp", "dp_data_parallel"), ("dp_noise", "dp_noise_data_parallel")]:
+        assert _max_diff(_jax(out, one)[0], _jax(out, two)[0]) <= 1e-6, two
+
+
+def test_dp_sgd_noise_is_seeded_and_has_the_promised_scale(runs):
+    """A seed reproduces the run; one step's noise is N(0, (C sigma)^2) per weight."""
+    out, _ = runs
+    noisy, _ = _jax(out, "dp_noise")
+    assert _max_diff(noisy, _jax(out, "dp_noise_again")[0]) == 0.0
+    assert _max_diff(noisy, _jax(out, "dp")[0]) > 1e-2  # the noise is there
+    stats = json.loads((out / "report.json").read_text())["dp_noise"]
+    stddev = DP_CLIP * 2.0
+    assert abs(stats["std"] / stddev - 1.0) < 0.15, stats
+    assert abs(stats["mean"]) < 5 * stddev / np.sqrt(stats["n"]), stats
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "micro_batches",
+            "`differential_privacy` with micro_batches=2 is not available on the JAX",
+        ),
+        ("accumulation_steps", "with accumulation_steps=2 is not available on the JAX"),
+        ("loss_terms", "DPSGD cannot be combined with `loss_terms`"),
+        ("sum_loss", "DPSGD needs mean-reduced losses"),
+        ("batch_norm", "DPSGD cannot train layers that mix the examples of a batch"),
+        ("activity_regularizer", "DPSGD cannot clip losses added in the forward pass"),
+        ("sample_weight", "DPSGD does not support sample_weight or class_weight"),
+    ],
+)
+def test_dp_sgd_refusals_on_jax_name_the_cause_before_any_weight_changes(runs, case, message):
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    assert report["dp_refusals"][case] is not None and message in report["dp_refusals"][case]
+    assert "Received:" in report["dp_refusals"][case]
+    assert report["dp_weights_kept"][case], case

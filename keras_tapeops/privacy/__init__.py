@@ -18,26 +18,33 @@ Internals, one concern per file: `dpsgd.py` (the option), `engine.py` (the
 per-model step), `sites.py` (which layer owns which variable, recording),
 `ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`,
 `ghost_layer_norm.py` (per-example norms per layer family),
-`vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`.
+`vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`
+(TensorFlow); `dpsgd.py`, `seeds.py` and `accounting.py` serve JAX too.
 See docs/privacy.md for what is guaranteed.
 """
 
+import keras
+
 from keras_tapeops.privacy.accounting import epsilon
 from keras_tapeops.privacy.accounting import noise_multiplier_for
-from keras_tapeops.privacy.ghost_dense import per_example_part
-from keras_tapeops.privacy.poisson import poisson_batches
-from keras_tapeops.privacy.rules import ClippingRule
-from keras_tapeops.privacy.rules import Context
-from keras_tapeops.privacy.rules import Part
-from keras_tapeops.privacy.rules import register_clipping_rule
 
-__all__ = [
-    "ClippingRule",
-    "Context",
-    "Part",
-    "epsilon",
-    "noise_multiplier_for",
-    "per_example_part",
-    "poisson_batches",
-    "register_clipping_rule",
-]
+__all__ = ["epsilon", "noise_multiplier_for"]
+
+# Poisson batches and the per-layer clipping rules are TensorFlow's; on JAX
+# the per-example gradients come from `jax.vmap` (keras_tapeops.backend.jax.privacy).
+if keras.backend.backend() == "tensorflow":
+    from keras_tapeops.privacy.ghost_dense import per_example_part
+    from keras_tapeops.privacy.poisson import poisson_batches
+    from keras_tapeops.privacy.rules import ClippingRule
+    from keras_tapeops.privacy.rules import Context
+    from keras_tapeops.privacy.rules import Part
+    from keras_tapeops.privacy.rules import register_clipping_rule
+
+    __all__ += [
+        "ClippingRule",
+        "Context",
+        "Part",
+        "per_example_part",
+        "poisson_batches",
+        "register_clipping_rule",
+    ]

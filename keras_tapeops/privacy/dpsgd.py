@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import Any
 
 import keras
@@ -9,10 +10,11 @@ import keras
 from keras_tapeops import validation
 from keras_tapeops.multi_gradient import MultiGradientOption
 from keras_tapeops.paths import LayerTree
-from keras_tapeops.privacy import noise
-from keras_tapeops.privacy import sites
-from keras_tapeops.privacy.engine import DPSGDState
+from keras_tapeops.privacy import seeds
 from keras_tapeops.registration import register
+
+if TYPE_CHECKING:
+    from keras_tapeops.privacy.engine import DPSGDState
 
 METHODS = ("auto", "vectorized")
 
@@ -94,11 +96,24 @@ class DPSGD(MultiGradientOption):
     ) -> None:
         self.l2_norm_clip = validation.positive_number(l2_norm_clip, "l2_norm_clip")
         self.noise_multiplier = validation.non_negative_number(noise_multiplier, "noise_multiplier")
-        self.seed = noise.check_seed(seed)
+        self.seed = seeds.check_seed(seed)
         self.method = validation.choice(method, "method", METHODS)
 
     def bind(self, model: keras.Model, tree: LayerTree) -> DPSGDState:
-        mixing = [path for path, layer in tree.entries if sites.mixes_examples(layer)]
+        """The TensorFlow engine for `model` (see `keras_tapeops.privacy.engine`)."""
+        from keras_tapeops.privacy.engine import DPSGDState  # TensorFlow's engine
+
+        self.check_model(model, tree)
+        return DPSGDState(self, model)
+
+    def check_model(self, model: keras.Model, tree: LayerTree) -> None:
+        """Refuses a model with layers that mix the examples of a batch (on every backend).
+
+        Args:
+            model: the model being compiled.
+            tree: its `LayerTree`.
+        """
+        mixing = [path for path, layer in tree.entries if mixes_examples(layer)]
         if mixing:
             raise ValueError(
                 "DPSGD cannot train layers that mix the examples of a batch: "
@@ -109,7 +124,6 @@ class DPSGD(MultiGradientOption):
                 "(layer.trainable = False runs them in inference mode). "
                 f"Received: model={model.name!r}"
             )
-        return DPSGDState(self, model)
 
     def combines_with(self, name: str, value: Any) -> str | None:
         return _REASONS.get(name, super().combines_with(name, value))
@@ -121,3 +135,8 @@ class DPSGD(MultiGradientOption):
             "seed": self.seed,
             "method": self.method,
         }
+
+
+def mixes_examples(layer: keras.layers.Layer) -> bool:
+    """True for a layer whose training-mode output mixes the examples of a batch."""
+    return isinstance(layer, keras.layers.BatchNormalization) and layer.trainable

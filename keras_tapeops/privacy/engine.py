@@ -44,6 +44,7 @@ from keras_tapeops import true_gradients
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.privacy import noise
+from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy import sites as sites_lib
 from keras_tapeops.privacy.ghost_conv import ConvRule
 from keras_tapeops.privacy.ghost_dense import DenseRule
@@ -71,7 +72,7 @@ class DPSGDState(MultiGradientState):
     def __init__(self, option, model):
         super().__init__()
         self.option = option
-        self.seed = option.seed if option.seed is not None else noise.fresh_seed()
+        self.seed = option.seed if option.seed is not None else seeds.fresh_seed()
         self.sites = None
         self.orphans = []
         self.methods = {}  # (path, variable name) -> method, filled at trace time

@@ -8,33 +8,9 @@ seed from the operating system; under `tf.distribute` the first replica's
 seed is used everywhere (shared in the step's one small all-reduce).
 """
 
-import numbers
-import secrets
-
-import numpy as np
 import tensorflow as tf
 
-_HALF_BITS = 26  # a 52-bit seed travels exactly as two float64 halves
-
-
-def check_seed(seed):
-    """Returns `seed` as an int (or None) if it is None or a non-negative integer."""
-    if seed is None:
-        return None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"`seed` must be None or a non-negative integer. Received: seed={seed!r}")
-    return int(seed)
-
-
-def fresh_seed():
-    """A random 52-bit seed from the operating system's entropy."""
-    return secrets.randbits(2 * _HALF_BITS)
-
-
-def seed_halves(seed):
-    """`(high, low)` 26-bit halves of a seed (Python ints)."""
-    seed = int(seed) % (1 << (2 * _HALF_BITS))
-    return seed >> _HALF_BITS, seed & ((1 << _HALF_BITS) - 1)
+from keras_tapeops.privacy.seeds import seed_halves
 
 
 def replica_sums(local_count, seed):

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tapeops import validation
-from keras_tapeops.privacy import noise
+from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy.accounting import check_sampling_rate
 
 _STD_MARGIN = 7.0  # standard deviations of the batch size above its mean
@@ -125,15 +125,15 @@ def poisson_batches(
     if steps is None:
         steps = max(1, round(1 / q))
     steps = validation.positive_int(steps, "steps")
-    seed = noise.check_seed(seed)
+    seed = seeds.check_seed(seed)
     if seed is None:
-        seed = noise.fresh_seed()
+        seed = seeds.fresh_seed()
     if model is not None and not hasattr(model, "optimizer"):
         raise ValueError(
             "`model` must be the Keras model that trains on the batches. "
             f"Received: model of type {type(model).__name__}"
         )
-    seed_key = tf.constant(noise.seed_halves(seed), tf.int64)
+    seed_key = tf.constant(seeds.seed_halves(seed), tf.int64)
     clock = _PassClock(model)
 
     def draw(pass_key, index):

@@ -24,7 +24,6 @@ recorder.invocations[id(layer)]    # [(inputs, z), ...] per call
 
 import contextlib
 
-import keras
 import tensorflow as tf
 
 from keras_tapeops._keras import private
@@ -186,8 +185,3 @@ def _tensorflow_variables(variable):
     found = [variable, inner]
     found.extend(getattr(inner, "values", ()) or ())
     return found
-
-
-def mixes_examples(layer):
-    """True for a layer whose training-mode output mixes the examples of a batch."""
-    return isinstance(layer, keras.layers.BatchNormalization) and layer.trainable

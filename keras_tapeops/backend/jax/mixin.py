@@ -27,10 +27,12 @@ from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
 from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax import micro_batches
+from keras_tapeops.backend.jax import privacy
 from keras_tapeops.backend.jax.options import pop_jax_options
 from keras_tapeops.hook_overrides import default_hook
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.privacy.dpsgd import DPSGD
 from keras_tapeops.options import compile_signature
 from keras_tapeops.paths import LayerTree
 from keras_tapeops.saving import SavingMethods
@@ -62,6 +64,10 @@ class JaxModelState:
         self.term_trackers: dict[str, keras.metrics.Mean] = {}
         self.accumulator: AccumulationWindow | None = None  # accumulation_steps > 1
         self.transform_variables: TransformVariables | None = None  # e.g. a skip counter
+        self.privacy: privacy.PrivateGradients | None = None  # differential_privacy
+        if isinstance(options.differential_privacy, DPSGD):  # the only one on JAX
+            options.differential_privacy.check_model(model, tree)
+            self.privacy = privacy.PrivateGradients(options.differential_privacy, model)
 
     def create_trackers(self) -> None:
         """One `Mean` per term, logged under the term's name (as on TensorFlow)."""
@@ -95,8 +101,9 @@ class JaxModelState:
 
     @property
     def training_only_metrics(self) -> list[keras.metrics.Metric]:
-        """The transforms' metrics (e.g. `kt.LogGradientNorm`): not in evaluation."""
-        return [m for _, s in self.transforms for m in s.metrics.values()]
+        """The transforms' and DP-SGD's metrics (e.g. `kt.LogGradientNorm`): not in evaluation."""
+        engine = [] if self.privacy is None else list(self.privacy.metrics.values())
+        return [m for _, s in self.transforms for m in s.metrics.values()] + engine
 
     def bind(self, model: keras.Model, apply: Any = None) -> list[Any]:
         """Binds the transforms (and SAM's selection) to `model`'s trainable variables once.
@@ -172,6 +179,9 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 `micro_batches > 1`).
             sharpness_aware: None or a `kt.SAM`: two passes per step, the
                 second at the perturbed weights.
+            differential_privacy: None or a `kt.DPSGD`: per-example
+                gradients by `jax.vmap`, clipped, summed, noised once per
+                step (alone: not with micro_batches or accumulation_steps).
             loss_terms: list of `kt.LossTerm`, `kt.ActivationPenalty` or
                 your own `kt.Term`, added to the loss from the same forward
                 pass and logged under their names.
@@ -184,7 +194,10 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         options = pop_jax_options(kwargs)
         if self.built:
             micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
-        check_compile_loss(options, kwargs.get("loss", args[1] if len(args) > 1 else None))
+        loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
+        check_compile_loss(options, loss)
+        if options.differential_privacy is not None:
+            privacy.check_losses(loss)
         state = JaxModelState(self, options)  # binds the terms: raises before compiling
         super().compile(*args, **kwargs)
         state.create_trackers()
@@ -220,8 +233,10 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         has_transforms = options is not None and bool(options.gradient_transforms)
         split = options is not None and (options.micro_batches > 1 or options.accumulates)
         sam = options is not None and options.sharpness_aware is not None
+        private = options is not None and options.differential_privacy is not None
         return (
             has_transforms
+            or private
             or split
             or sam
             or self._tapeops_changes_loss(training=True)
@@ -336,11 +351,26 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         statistics = non_trainable  # put back if a gate skips the step
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(self._loss_function(training=True), has_aux=True)
-        (_, aux), grads = grad_fn(
-            trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
-        )
-        unscaled_loss, y_pred, non_trainable, metrics_vars, values = aux
+        engine = self.tapeops_state.privacy if self.tapeops_state is not None else None
+        if engine is not None:
+            grads, unscaled_loss, y_pred, non_trainable, metrics_vars = engine.gradients(
+                self,
+                jax_loss.stateless_forward(self, training=True),
+                (trainable, non_trainable, metrics_vars, optimizer_vars),
+                x,
+                y,
+                sample_weight,
+            )
+            scale = self._loss_scale(optimizer_vars)  # the step expects scaled gradients
+            if scale is not None:
+                grads = [g * ops.cast(scale, g.dtype) for g in grads]
+            values: list[Any] = []
+        else:
+            grad_fn = jax.value_and_grad(self._loss_function(training=True), has_aux=True)
+            (_, aux), grads = grad_fn(
+                trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
+            )
+            unscaled_loss, y_pred, non_trainable, metrics_vars, values = aux
         if self.tapeops_options is not None and self.tapeops_options.sharpness_aware is not None:
             grads = self._sharpness_aware_gradients(
                 grad_fn, grads, (trainable, non_trainable, metrics_vars, optimizer_vars), data

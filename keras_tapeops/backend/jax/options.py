@@ -28,6 +28,7 @@ JAX_OPTIONS = (
     "accumulation_steps",
     "batch_norm_updates",
     "sharpness_aware",
+    "differential_privacy",
 )
 
 #: The built-in transforms available on JAX; a user's own `kt.GradientTransform`
@@ -51,6 +52,7 @@ def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
         "keras_tapeops supports micro_batches, accumulation_steps, sharpness_aware=kt.SAM(...), "
+        "differential_privacy=kt.DPSGD(...) (alone: without micro_batches or accumulation_steps), "
         "kt.optimizer_groups, "
         "kt.layerwise_lr_decay, loss_terms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
@@ -88,6 +90,7 @@ def pop_jax_options(kwargs: dict[str, Any]) -> TapeOpsOptions:
         check_jax_transform(transform)
     for term in options.loss_terms:
         check_jax_term(term)
+    check_jax_privacy(options)
     if options.loss_terms and options.micro_batches > 1:
         _refuse(
             "loss_terms",
@@ -95,6 +98,28 @@ def pop_jax_options(kwargs: dict[str, Any]) -> TapeOpsOptions:
             f" with micro_batches={options.micro_batches}",
         )
     return options
+
+
+def check_jax_privacy(options: TapeOpsOptions) -> None:
+    """Refuses what `kt.DPSGD` does not combine with on JAX yet (before compiling).
+
+    Args:
+        options: the validated options.
+    """
+    private = options.differential_privacy
+    if private is None:
+        return
+    if options.loss_terms:
+        raise ValueError(
+            "DPSGD cannot be combined with `loss_terms`: a loss term is "
+            "computed from the whole batch, so it has no per-example "
+            "gradient to clip. Received: loss_terms with names "
+            f"{[term.name for term in options.loss_terms]}"
+        )
+    for name in ("micro_batches", "accumulation_steps"):
+        value = getattr(options, name)
+        if value > 1:
+            _refuse("differential_privacy", private, f" with {name}={value}")
 
 
 def check_jax_term(term: Term) -> None:
