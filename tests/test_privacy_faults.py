@@ -340,20 +340,45 @@ def test_poisson_batches_train_under_mirrored_strategy(mirrored):
     assert all(np.isfinite(w).all() for w in weights)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known defect (closing note of 2026-11-27): poisson_batches(model=...) reads its "
-        "pass key (optimizer.iterations) in a tf.py_function that tf.data runs when it "
-        "prefetches, so the epoch's batches depend on thread timing"
-    ),
-)
 def test_poisson_batches_under_mirrored_strategy_equal_one_device(mirrored):
+    """Before the fix: the pass key (optimizer.iterations) was read when tf.data
+    ran the pass's first element, sometimes after the epoch's first step, so the
+    batches (and the run) depended on thread timing."""
     single_weights, single_loss = _poisson_run()
     mirrored_weights, mirrored_loss = _poisson_run(mirrored)
     for a, b in zip(mirrored_weights, single_weights):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(mirrored_loss, single_loss, rtol=1e-5)
+
+
+def test_poisson_pass_key_is_the_step_count_when_the_epoch_began():
+    """fit() adds the dataset's epoch clock first; a late read of the key sees
+    the step count of the epoch's start, not the current one."""
+    from keras_tapeops import fit_callbacks
+    from keras_tapeops.privacy.poisson import _EpochClock
+
+    x, y = _data(16)
+    model = _compile(_dense_model(), dp=kt.DPSGD(1.0, 0.0, seed=0))
+    batches = kt.privacy.poisson_batches((x, y), 0.5, seed=1, model=model, max_batch_size=16)
+    [clock_callback] = fit_callbacks.requested_by(batches)
+    assert isinstance(clock_callback, _EpochClock)
+    clock = clock_callback._clock
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.iterations.assign(6)
+    clock_callback.on_epoch_begin(0)
+    model.optimizer.iterations.assign(7)  # a step ran before tf.data read the key
+    assert int(clock.next_key()) == 6
+    clock_callback.on_train_end()
+    assert int(clock.next_key()) == 7  # outside fit: the counter itself
+    seen = []
+
+    class Keys(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append((clock.epoch_key, int(self.model.optimizer.iterations)))
+
+    model.fit(batches, epochs=2, verbose=0, callbacks=[Keys()])
+    assert seen == [(7, 7), (9, 9)]  # the clock ran first, each epoch (2 steps an epoch)
+    assert clock.epoch_key is None
 
 
 # ------------------------------------------------------------------ item 14

@@ -19,6 +19,7 @@ import inspect
 
 import keras
 
+from keras_tapeops import fit_callbacks
 from keras_tapeops.typing_aliases import Logs
 from keras_tapeops.typing_aliases import ModelMixinBase
 
@@ -87,6 +88,30 @@ def add_flush_callback(
         `((), kwargs)`: every argument by name, `callbacks` starting with
         an `AccumulationFlush` (so it runs before checkpoints and validation).
     """
+    return add_callbacks_first(
+        model, args, kwargs, [AccumulationFlush()], "With accumulation_steps > 1"
+    )
+
+
+def add_callbacks_first(
+    model: keras.Model,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    first: list[keras.callbacks.Callback],
+    reason: str,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Returns `fit()`'s `(args, kwargs)` with the callbacks `first` before the user's.
+
+    Args:
+        model: the keras_tapeops model `fit()` is called on.
+        args, kwargs: the arguments given to `fit()`.
+        first: the callbacks to run first (a callback of the same type the
+            user passed is replaced).
+        reason: why they are added, for the error about a `CallbackList`.
+
+    Returns:
+        `((), kwargs)`: every argument by name.
+    """
     bound = inspect.signature(keras.Model.fit).bind(model, *args, **kwargs)
     arguments = dict(bound.arguments)
     del arguments["self"]
@@ -94,16 +119,18 @@ def add_flush_callback(
     callbacks = arguments.get("callbacks") or []
     if isinstance(callbacks, keras.callbacks.CallbackList):
         raise TypeError(
-            "With accumulation_steps > 1, pass `callbacks` as a list, not a "
+            f"{reason}, pass `callbacks` as a list, not a "
             f"CallbackList. Received: callbacks={callbacks!r}"
         )
-    callbacks = [c for c in callbacks if not isinstance(c, AccumulationFlush)]
-    arguments["callbacks"] = [AccumulationFlush()] + list(callbacks)
+    types = tuple(type(c) for c in first)
+    callbacks = [c for c in callbacks if not isinstance(c, types)]
+    arguments["callbacks"] = list(first) + list(callbacks)
     return (), arguments
 
 
 class FlushingFit(ModelMixinBase):
-    """`fit()` that adds `AccumulationFlush` first when `accumulation_steps > 1`.
+    """`fit()` that adds `AccumulationFlush` first when `accumulation_steps > 1`
+    and the callbacks the training dataset asks for.
 
     A base of `TapeOpsMixin` on every backend (before `keras.Model`).
 
@@ -118,9 +145,16 @@ class FlushingFit(ModelMixinBase):
 
         A window cut short by the end of an epoch is applied before
         validation and before other callbacks' `on_epoch_end` (see
-        `AccumulationFlush`).
+        `AccumulationFlush`). The callbacks a keras_tapeops dataset asks for
+        (`keras_tapeops.fit_callbacks`) run first.
         """
         options = self.tapeops_options
         if options is not None and options.accumulation_steps > 1:
             args, kwargs = add_flush_callback(self, args, kwargs)
+        x = kwargs.get("x", args[0] if args else None)
+        requested = fit_callbacks.requested_by(x)
+        if requested:  # e.g. kt.privacy.poisson_batches(model=...)'s epoch clock
+            args, kwargs = add_callbacks_first(
+                self, args, kwargs, requested, "With this training dataset"
+            )
         return super().fit(*args, **kwargs)

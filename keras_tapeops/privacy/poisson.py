@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_tapeops import fit_callbacks
 from keras_tapeops import validation
 from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy.accounting import check_sampling_rate
@@ -157,7 +158,10 @@ def poisson_batches(
         return tf.data.Dataset.range(steps).map(lambda index: draw(pass_key, index))
 
     batches = tf.data.Dataset.range(1).flat_map(one_pass)
-    return batches.apply(tf.data.experimental.assert_cardinality(steps))
+    batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
+    if model is not None:
+        batches = fit_callbacks.attach(batches, lambda: _EpochClock(clock))
+    return batches
 
 
 class _PassClock:
@@ -171,15 +175,45 @@ class _PassClock:
     def __init__(self, model):
         self._model = model
         self._passes = 0
+        self.epoch_key = None  # set by `_EpochClock` while `fit` runs
+
+    def step(self):
+        """The model's optimizer step count now (0 without an optimizer)."""
+        optimizer = getattr(self._model, "optimizer", None)
+        return 0 if optimizer is None else int(optimizer.iterations.numpy())
 
     def next_key(self):
-        """The key of the pass that starts now (an int64 NumPy scalar)."""
+        """The key of the pass that starts now (an int64 NumPy scalar).
+
+        With a model, inside `TapeOpsMixin.fit` it is the step count when the
+        epoch began (`_EpochClock`): tf.data may run this function late (its
+        prefetch thread, after the epoch's first steps), so reading the
+        counter here would make the batches depend on thread timing.
+        """
         if self._model is not None:
-            optimizer = getattr(self._model, "optimizer", None)
-            step = 0 if optimizer is None else int(optimizer.iterations.numpy())
-            return np.int64(step)
+            key = self.epoch_key if self.epoch_key is not None else self.step()
+            return np.int64(key)
         key, self._passes = self._passes, self._passes + 1
         return np.int64(key)
+
+
+class _EpochClock(keras.callbacks.Callback):
+    """Records the optimizer's step count when each epoch begins (`_PassClock.epoch_key`).
+
+    `TapeOpsMixin.fit()` adds it (before the user's callbacks) when `x` is a
+    `poisson_batches(model=...)` dataset. `BackupAndRestore` restores the
+    counter in `on_train_begin`, before the first `on_epoch_begin`.
+    """
+
+    def __init__(self, clock):
+        super().__init__()
+        self._clock = clock
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._clock.epoch_key = self._clock.step()
+
+    def on_train_end(self, logs=None):
+        self._clock.epoch_key = None
 
 
 def _in_memory(dataset):
