@@ -90,7 +90,7 @@ class SavingMethods(ModelMixinBase):
 
         Keras saves every saveable attribute of a model under the
         attribute's name; this one holds the variables of stateful transforms
-        and of the multi-gradient engine (`state.TrainingState`), which are
+        and of the multi-gradient engine (`training_state.TrainingState`), which are
         not in `model.weights`. A stock model has no such entry and ignores
         it in a file.
         """

@@ -17,14 +17,11 @@ first step. A model whose trainable variables change (a layer unfrozen)
 rebinds them before its next traced step.
 """
 
-import warnings
-
 import keras
-import numpy as np
 
-from keras_tapeops._keras import private
 from keras_tapeops import accumulation
 from keras_tapeops import paths
+from keras_tapeops.training_state import TrainingState
 from keras_tapeops.transforms.base import with_hook
 
 
@@ -248,67 +245,3 @@ def check_logged_name(owner, name, taken):
             "metric named so would clash with or hide one. Give it another "
             f"`name`. Received: name={name!r}"
         )
-
-
-class TrainingState(private.KerasSaveable):
-    """The training state of one model's options, as Keras saves it.
-
-    The transforms' variables (e.g. `SkipNonFinite`'s count of skipped steps
-    in a row) and the multi-gradient engine's are training state, like the
-    optimizer's: they are not in `model.weights` (so `get_weights`,
-    `set_weights` and weight files are the stock model's), but `model.save`,
-    `save_weights` and so `BackupAndRestore` write them, under the model's
-    `_tapeops_training_state` entry, and loading restores them. A stock model
-    never reads that entry; a file without it (a stock model's, or one saved
-    without stateful options) leaves the state as it is; entries of another
-    configuration are skipped with a warning, as Keras skips an optimizer
-    whose variables do not match.
-
-    Args:
-        state: the `ModelState` whose variables this saves.
-    """
-
-    def __init__(self, state):
-        self._state = state
-        self._pending = None  # loaded before the transforms were bound
-
-    def _obj_type(self):
-        # Keras's saving walk asks every saveable for its type to pick the
-        # attributes it skips; "Loss" skips a plain object's (this one has
-        # no child to save).
-        return "Loss"
-
-    def save_own_variables(self, store):
-        for key, variable in self._state.training_state_items():
-            store[key] = variable
-
-    def load_own_variables(self, store):
-        saved = {key: np.asarray(store[key]) for key in store.keys()}
-        if not saved:
-            return
-        self._pending = saved
-        self.restore_pending()
-
-    def restore_pending(self):
-        """Assigns loaded values once the variables exist; warns about leftovers."""
-        state = self._state
-        if self._pending is None:
-            return
-        if state.options.gradient_transforms and not state.variables_bound:
-            return  # bound before the first step; restored then
-        saved, self._pending = self._pending, None
-        skipped = []
-        for key, variable in state.training_state_items():
-            value = saved.pop(key, None)
-            if value is not None and tuple(value.shape) == tuple(variable.shape):
-                variable.assign(value)
-            else:
-                skipped.append(key)
-        skipped += sorted(saved)
-        if skipped:
-            warnings.warn(
-                "Skipping part of the keras_tapeops training state: the file "
-                "was saved with other gradient_transforms or options. Not "
-                f"restored (left as they were, or not in this model): {skipped}",
-                stacklevel=2,
-            )

@@ -40,6 +40,7 @@ from jax_models import (  # noqa: E402
     DP_CLIP,
     dp_cases,
     dp_mixed_optimizer,
+    step_decay_class,
     BATCH,
     EPOCHS,
     LR,
@@ -335,6 +336,29 @@ def privacy_cases(out, init, x, y, report):
     report["dp_refusals"], report["dp_weights_kept"] = refusals, kept
 
 
+def training_state_cases(out, init, x, y, report):
+    """A transform's training state is saved and loaded on JAX, and crosses backends."""
+    decay = step_decay_class(kt)
+    model = compiled(make_mlp(init), gradient_transforms=[decay()])
+    save_case(out, "state_uninterrupted", model, fit(model, x, y))
+    model = compiled(make_mlp(init), gradient_transforms=[decay()])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.save(out / "state_from_jax.keras")
+    loaded = keras.saving.load_model(out / "state_from_jax.keras")
+    loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    save_case(out, "state_resumed", loaded, {})
+    report["state_steps"] = float(loaded.tapeops_state.training_state_items()[0][1].numpy())
+    # Weights alone (a fresh transform state) end elsewhere: the state matters.
+    fresh = compiled(make_mlp(model.get_weights()), gradient_transforms=[decay()])
+    fresh.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    save_case(out, "state_weights_only", fresh, {})
+    tf_file = out / "state_from_tf.keras"
+    if tf_file.exists():
+        loaded = keras.saving.load_model(tf_file)
+        loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        save_case(out, "state_tf_file_continued", loaded, {})
+
+
 def main():
     out = Path(sys.argv[1])
     init = list(np.load(sys.argv[2]).values())
@@ -559,6 +583,7 @@ def main():
     accumulation_cases(out, init, x, y, report)
     skip_cases(out, init, report)
     privacy_cases(out, init, x, y, report)
+    training_state_cases(out, init, x, y, report)
 
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}

@@ -7,6 +7,8 @@ tests/test_jax_backend.py (TensorFlow): same layers, same initial weights
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 
@@ -233,3 +235,28 @@ def dp_cases(kt):
 def dp_mixed_optimizer():
     """SGD under a loss scale low enough that neither backend overflows (see the test)."""
     return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=256.0)
+
+
+@functools.lru_cache(maxsize=None)
+def step_decay_class(kt):
+    """A transform whose training state changes the result: gradients / (1 + steps seen).
+
+    Registered for loading; `StepDecay()` is saved with its `steps` variable.
+    """
+
+    @keras.saving.register_keras_serializable(package="tapeops_jax_tests")
+    class StepDecay(kt.GradientTransform):
+        def bind(self, model, variables, tree=None):
+            state = super().bind(model, variables, tree)
+            state.add_variable("steps", 0.0)
+            return state
+
+        def transform(self, grads, variables, state):
+            steps = state.variables["steps"]
+            factor = 1.0 / (1.0 + keras.ops.convert_to_tensor(steps))
+            steps.assign(steps + 1.0)
+            return [
+                g if g is None or not on else g * factor for g, on in zip(grads, state.selected)
+            ]
+
+    return StepDecay

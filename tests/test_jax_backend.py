@@ -25,6 +25,7 @@ from jax_models import (
     DP_CLIP,
     dp_cases,
     dp_mixed_optimizer,
+    step_decay_class,
     EPOCHS,
     LR,
     data,
@@ -187,6 +188,11 @@ def runs(tmp_path_factory):
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     tf_runs = {"clip": (model.get_weights(), history)}
     model.save(out / "from_tf.keras")
+    decay = step_decay_class(kt)
+    model = make_mlp(init)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", gradient_transforms=[decay()])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.save(out / "state_from_tf.keras")
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
@@ -206,9 +212,17 @@ def runs(tmp_path_factory):
             continued = keras.saving.load_model(out / "from_tf.keras")
             continued.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
             tf_runs["tf_file_continued"] = (continued.get_weights(), None)
+            tf_runs["state_uninterrupted"] = _tf_case(
+                make_mlp, init, x, y, gradient_transforms=[decay()]
+            )
             tf_runs.update(_tf_mixed_precision_runs(init, x, y))
             tf_runs.update(_tf_runs(init, x, y))
             returncode = process.wait(timeout=600)
+            jax_file = out / "state_from_jax.keras"
+            if returncode == 0 and jax_file.exists():
+                continued = keras.saving.load_model(jax_file)
+                continued.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+                tf_runs["state_jax_file_continued"] = (continued.get_weights(), None)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -634,3 +648,20 @@ def test_dp_sgd_refusals_on_jax_name_the_cause_before_any_weight_changes(runs, c
     assert report["dp_refusals"][case] is not None and message in report["dp_refusals"][case]
     assert "Received:" in report["dp_refusals"][case]
     assert report["dp_weights_kept"][case], case
+
+
+# ------------------------------------------------------ transform training state
+def test_transform_training_state_is_saved_on_jax_and_crosses_backends(runs):
+    """A transform's state (StepDecay's step count) comes back with `load_model`:
+    resumed on JAX, JAX's file on TensorFlow and TensorFlow's on JAX all equal the
+    uninterrupted run; the weights alone (state reset) end elsewhere."""
+    out, tf_runs = runs
+    uninterrupted, _ = _jax(out, "state_uninterrupted")
+    tf_uninterrupted, _ = tf_runs["state_uninterrupted"]
+    assert _max_diff(uninterrupted, tf_uninterrupted) <= 1e-5
+    assert _max_diff(_jax(out, "state_resumed")[0], uninterrupted) <= 1e-6
+    report = json.loads((out / "report.json").read_text())
+    assert report["state_steps"] == 2 * 64 / BATCH
+    assert _max_diff(_jax(out, "state_tf_file_continued")[0], uninterrupted) <= 1e-5
+    assert _max_diff(tf_runs["state_jax_file_continued"][0], tf_uninterrupted) <= 1e-5
+    assert _max_diff(_jax(out, "state_weights_only")[0], uninterrupted) > 1e-3

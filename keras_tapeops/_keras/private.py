@@ -18,7 +18,7 @@ from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401
 # `save_own_variables` and restored with `load_own_variables`. Keras exports
 # no public base for saveable state that is neither a layer (whose variables
 # would be weights) nor a metric (which `fit` resets every epoch); the
-# training state of keras_tapeops options (`state.TrainingState`) is one.
+# training state of keras_tapeops options (`training_state.TrainingState`) is one.
 
 
 def loss_tracker(model):

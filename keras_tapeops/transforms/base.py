@@ -22,7 +22,7 @@ Three optional parts make a transform stateful or observable (the built-in
   not in `model.weights`, so `get_weights`/`set_weights` and weight files
   stay the stock model's, but `model.save`, `save_weights` and
   `BackupAndRestore` write it and loading restores it: see
-  `keras_tapeops.state.TrainingState`), and `state.add_metric(...)`
+  `keras_tapeops.training_state.TrainingState`), and `state.add_metric(...)`
   a metric logged in History, the progress bar and TensorBoard under its
   name (updated in the graph: no host synchronization per step).
 - `keep_step(grads, variables, state)` returns None (the default) or a

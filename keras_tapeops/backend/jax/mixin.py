@@ -40,6 +40,7 @@ from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
+from keras_tapeops.training_state import TrainingState
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
 
@@ -52,8 +53,6 @@ class JaxModelState:
         options: the model's `TapeOpsOptions`.
     """
 
-    saveable = None  # no saved training state on JAX yet (stateful transforms are refused)
-
     def __init__(self, model: keras.Model, options: TapeOpsOptions) -> None:
         self.options = options
         self.transforms: list[Any] = []
@@ -65,6 +64,7 @@ class JaxModelState:
         self.accumulator: AccumulationWindow | None = None  # accumulation_steps > 1
         self.transform_variables: TransformVariables | None = None  # e.g. a skip counter
         self.privacy: privacy.PrivateGradients | None = None  # differential_privacy
+        self.saveable = TrainingState(self)  # the transforms' variables, in files
         if isinstance(options.differential_privacy, DPSGD):  # the only one on JAX
             options.differential_privacy.check_model(model, tree)
             self.privacy = privacy.PrivateGradients(options.differential_privacy, model)
@@ -132,9 +132,23 @@ class JaxModelState:
             self.transforms, self._bound_to = bound, len(variables)
         return self.transforms
 
-    def training_state_items(self) -> list[Any]:
-        """No training state on JAX (see `keras_tapeops.saving`)."""
-        return []
+    @property
+    def variables_bound(self) -> bool:
+        """True once the transforms are bound to the model's trainable variables."""
+        return self._bound_to is not None
+
+    def training_state_items(self) -> list[tuple[str, keras.Variable]]:
+        """`(key, variable)` of the transforms' training state, keyed as on TensorFlow.
+
+        A transform's variable is keyed `"<position in gradient_transforms>.
+        <class>.<variable name>"` (`keras_tapeops.state.ModelState`), so a
+        file saved on either backend restores it on the other.
+        """
+        return [
+            (f"{i}.{type(t).__name__}.{name}", variable)
+            for i, (t, s) in enumerate(self.transforms)
+            for name, variable in s.variables.items()
+        ]
 
 
 class TapeOpsMixin(SavingMethods, FlushingFit):
@@ -302,6 +316,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         state = self.tapeops_state
         if state is not None and self.built:
             state.bind(self, lambda *step_state: self._apply_gradients(*step_state)[:3])
+            state.saveable.restore_pending()  # training state loaded before binding
 
     def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
         """Term trackers, then Keras's own loss tracker and compiled metrics."""
