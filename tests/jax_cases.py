@@ -266,6 +266,8 @@ def privacy_cases(out, init, x, y, report):
         model = compiled(make_mlp(init), **options)
         save_case(out, name, model, fit(model, x, y, **validation))
     save_case(out, "dp_hand", hand_written_dp_loop(init, x, y), {})
+    model = compiled(make_mlp(init), jit_compile=False, **dp_cases(kt)["dp"])
+    save_case(out, "dp_eager", model, fit(model, x, y))
     model = compiled(make_mlp(init), differential_privacy=kt.DPSGD(1e6, 0.0))
     save_case(out, "dp_unclipped", model, fit(model, x, y))
     model = compiled(

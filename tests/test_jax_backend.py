@@ -596,6 +596,7 @@ def test_dp_sgd_equals_the_hand_written_per_example_loop_and_can_fail(runs):
     weights, history = _jax(out, "dp")
     hand, _ = _jax(out, "dp_hand")
     assert _max_diff(weights, hand) <= 1e-6
+    assert _max_diff(_jax(out, "dp_eager")[0], hand) <= 1e-6  # jit_compile=False
     assert history["dp_nonfinite_examples"].tolist() == [0.0, 0.0]
     # Without clipping (C = 1e6) the run ends elsewhere: the clip acts.
     unclipped, _ = _jax(out, "dp_unclipped")
