@@ -180,7 +180,9 @@ def _check_batch(model: keras.Model, y: Any, sample_weight: Any) -> Any:
     return ops.cast(flat[0], "float32")
 
 
-def _per_example_function(model, forward, trainable, non_trainable):
+def _per_example_function(
+    model: keras.Model, forward: Any, trainable: Any, non_trainable: Any
+) -> Any:
     """`f(x_i, y_i, scale) -> (grads, loss, y_pred, non_trainable)` for one example."""
     compiled = private.compiled_loss(model)
     regularized = sum(1 for v in model.trainable_variables if _regularizer(v) is not None)
@@ -216,7 +218,7 @@ def _per_example_function(model, forward, trainable, non_trainable):
     return one
 
 
-def _scale_and_step(model, optimizer_state):
+def _scale_and_step(model: keras.Model, optimizer_state: list[Any]) -> tuple[Any, Any]:
     """The LossScaleOptimizer's scale (None without one) and the optimizer's step."""
     with keras.StatelessScope(state_mapping=optimizer_state):
         step = ops.convert_to_tensor(model.optimizer.iterations)
@@ -225,16 +227,16 @@ def _scale_and_step(model, optimizer_state):
         return ops.cast(model.optimizer.dynamic_scale, "float32"), step
 
 
-def _regularizer(variable):
+def _regularizer(variable: Any) -> Any:
     return getattr(variable, "regularizer", None)
 
 
-def _regularization(model, trainable):
+def _regularization(model: keras.Model, trainable: Any) -> tuple[Any, list[Any]]:
     """`(value, grads)` of the weight regularizers at `trainable` (grads None where none)."""
     variables = model.trainable_variables
     regularized = [i for i, v in enumerate(variables) if _regularizer(v) is not None]
     if not regularized:
-        return 0.0, [None] * len(variables)
+        return 0.0, [None for _ in variables]
 
     def total(values):
         return sum(
@@ -249,7 +251,7 @@ def _regularization(model, trainable):
     return value, out
 
 
-def _finite_rows(structure, n):
+def _finite_rows(structure: Any, n: int) -> Any:
     """`[n]` bool: True where every floating entry of the example's row is finite."""
     finite = ops.ones((n,), "bool")
     for t in keras.tree.flatten(structure):
@@ -260,6 +262,6 @@ def _finite_rows(structure, n):
     return finite
 
 
-def _rows(flags, like):
+def _rows(flags: Any, like: Any) -> Any:
     """`flags` (`[n]`) broadcastable against `like` (`[n, ...]`)."""
     return ops.reshape(flags, (-1,) + (1,) * (len(like.shape) - 1))
