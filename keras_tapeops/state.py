@@ -22,6 +22,7 @@ import keras
 from keras_tapeops import accumulation
 from keras_tapeops import paths
 from keras_tapeops.training_state import TrainingState
+from keras_tapeops.training_state import transform_state_items
 from keras_tapeops.transforms.base import with_hook
 
 
@@ -130,11 +131,7 @@ class ModelState:
         <class>.<variable name>"`, an engine's `"<option>.<class>.<index>"`, so
         a file saved with other options restores what matches by key.
         """
-        items = [
-            (f"{i}.{type(t).__name__}.{name}", variable)
-            for i, (t, s) in enumerate(self.transforms or [])
-            for name, variable in s.variables.items()
-        ]
+        items = transform_state_items(self.transforms or [])
         if self.engine is not None:
             option_name, option = self.options.multi_gradient
             items += [

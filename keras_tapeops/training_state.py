@@ -11,10 +11,32 @@ JAX `JaxModelState` both provide `options`, `variables_bound` and
 from __future__ import annotations
 
 import warnings
+from typing import Any
+from typing import Sequence
 
 import numpy as np
 
 from keras_tapeops._keras import private
+
+
+def transform_state_items(bound: Sequence[tuple[Any, Any]]) -> list[tuple[str, Any]]:
+    """`(key, variable)` of the bound transforms' training state, keyed as saved in files.
+
+    A transform's variable is keyed `"<position in gradient_transforms>.
+    <class>.<variable name>"` on both backends, so a file saved with other
+    options, or on the other backend, restores what matches by key.
+
+    Args:
+        bound: the `(transform, TransformState)` pairs, in list order.
+
+    Returns:
+        The `(key, variable)` pairs, in order.
+    """
+    return [
+        (f"{i}.{type(t).__name__}.{name}", variable)
+        for i, (t, s) in enumerate(bound)
+        for name, variable in s.variables.items()
+    ]
 
 
 class TrainingState(private.KerasSaveable):

@@ -41,6 +41,7 @@ from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
 from keras_tapeops.training_state import TrainingState
+from keras_tapeops.training_state import transform_state_items
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
 
@@ -140,15 +141,10 @@ class JaxModelState:
     def training_state_items(self) -> list[tuple[str, keras.Variable]]:
         """`(key, variable)` of the transforms' training state, keyed as on TensorFlow.
 
-        A transform's variable is keyed `"<position in gradient_transforms>.
-        <class>.<variable name>"` (`keras_tapeops.state.ModelState`), so a
-        file saved on either backend restores it on the other.
+        The keys come from `keras_tapeops.training_state.transform_state_items`,
+        so a file saved on either backend restores it on the other.
         """
-        return [
-            (f"{i}.{type(t).__name__}.{name}", variable)
-            for i, (t, s) in enumerate(self.transforms)
-            for name, variable in s.variables.items()
-        ]
+        return transform_state_items(self.transforms)
 
 
 class TapeOpsMixin(SavingMethods, FlushingFit):
