@@ -19,7 +19,7 @@ per-model step), `sites.py` (which layer owns which variable, recording),
 `ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`,
 `ghost_layer_norm.py` (per-example norms per layer family),
 `vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`
-(TensorFlow); `dpsgd.py`, `seeds.py` and `accounting.py` serve JAX too.
+(TensorFlow); `dpsgd.py`, `seeds.py`, `refusals.py` and `accounting.py` serve JAX too.
 See docs/privacy.md for what is guaranteed.
 """
 

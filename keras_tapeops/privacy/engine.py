@@ -43,6 +43,7 @@ from keras_tapeops._keras import private
 from keras_tapeops import true_gradients
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses
+from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy import noise
 from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy import sites as sites_lib
@@ -120,29 +121,14 @@ class DPSGDState(MultiGradientState):
             flat = tf.nest.flatten(sample_weight)
             if len(flat) != 1 or flat[0].dtype != tf.bool:
                 dtypes = sorted({t.dtype.name for t in flat})
-                raise ValueError(
-                    "DPSGD does not support sample_weight or class_weight: a "
-                    "weight scales an example's gradient, so the bound "
-                    "l2_norm_clip on each example's contribution, which the "
-                    "privacy guarantee rests on, would no longer hold. Train "
-                    "on unweighted data (resample instead of weighting). A "
-                    "boolean sample_weight is read as a mask of real "
-                    "examples (kt.privacy.poisson_batches pads batches with "
-                    f"one). Received: sample_weight of dtype {dtypes}"
+                raise refusals.sample_weight_refused(
+                    dtypes, " (kt.privacy.poisson_batches pads batches with one)"
                 )
         options = model.tapeops_options
         if options is not None and options.loss_terms:
-            names = [term.name for term in options.loss_terms]
-            raise ValueError(
-                "DPSGD cannot be combined with `loss_terms`: a loss term is "
-                "computed from the whole batch, so it has no per-example "
-                "gradient to clip. Received: loss_terms with names "
-                f"{names}"
-            )
+            raise refusals.loss_terms_refused([term.name for term in options.loss_terms])
         if y is None:
-            raise ValueError(
-                "DPSGD needs targets to compute one loss per example. Received: y=None"
-            )
+            raise ValueError(refusals.NO_TARGETS)
         if sample_weight is not None:
             self.saw_mask = True
             if self.mask_refusal is not None:
@@ -435,13 +421,7 @@ def _check_added_losses(model):
     )
     extra = len(model.losses) - regularized
     if extra > 0:
-        raise ValueError(
-            "DPSGD cannot clip losses added in the forward pass (add_loss, "
-            "activity_regularizer): they are computed from the whole batch, "
-            "so they have no per-example gradient. Weight regularizers are "
-            "fine. Received: "
-            f"{extra} added loss(es) in model {model.name!r}"
-        )
+        raise refusals.added_losses_refused(extra, model.name)
 
 
 def _name_of(site, variable_id):

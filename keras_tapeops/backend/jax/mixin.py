@@ -364,16 +364,19 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         engine = self.tapeops_state.privacy if self.tapeops_state is not None else None
         if engine is not None:
+            scale = self._loss_scale(optimizer_vars)
+            if scale is not None:
+                scale = ops.cast(scale, "float32")
             grads, unscaled_loss, y_pred, non_trainable, metrics_vars = engine.gradients(
                 self,
                 jax_loss.stateless_forward(self, training=True),
                 (trainable, non_trainable, metrics_vars, optimizer_vars),
+                scale,
                 x,
                 y,
                 sample_weight,
             )
-            scale = self._loss_scale(optimizer_vars)  # the step expects scaled gradients
-            if scale is not None:
+            if scale is not None:  # the rest of the step expects scaled gradients
                 grads = [g * ops.cast(scale, g.dtype) for g in grads]
             values: list[Any] = []
         else:

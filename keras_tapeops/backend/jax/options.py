@@ -6,6 +6,7 @@ from typing import Any
 
 from keras_tapeops.options import OPTIONS
 from keras_tapeops.options import TapeOpsOptions
+from keras_tapeops.privacy.refusals import loss_terms_refused
 from keras_tapeops.terms.activation import ActivationPenalty
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.custom import LossTerm
@@ -110,12 +111,7 @@ def check_jax_privacy(options: TapeOpsOptions) -> None:
     if private is None:
         return
     if options.loss_terms:
-        raise ValueError(
-            "DPSGD cannot be combined with `loss_terms`: a loss term is "
-            "computed from the whole batch, so it has no per-example "
-            "gradient to clip. Received: loss_terms with names "
-            f"{[term.name for term in options.loss_terms]}"
-        )
+        raise loss_terms_refused([term.name for term in options.loss_terms])
     for name in ("micro_batches", "accumulation_steps"):
         value = getattr(options, name)
         if value > 1:

@@ -41,6 +41,7 @@ from keras_tapeops._keras import private
 from keras_tapeops.accumulation.reduction_kinds import named_losses
 from keras_tapeops.backend.jax.loss import updating_metrics
 from keras_tapeops.privacy import seeds
+from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy.dpsgd import DPSGD
 from keras_tapeops.split_sizes import static_batch_size
 
@@ -85,6 +86,7 @@ class PrivateGradients:
         model: keras.Model,
         forward: Any,
         state: tuple[Any, Any, Any, Any],
+        scale: Any,
         x: Any,
         y: Any,
         sample_weight: Any,
@@ -96,6 +98,8 @@ class PrivateGradients:
             forward: `forward(trainable, non_trainable, x) -> (y_pred,
                 non_trainable, losses)` (the model's stateless call).
             state: `(trainable, non_trainable, metrics_vars, optimizer_vars)` values.
+            scale: the LossScaleOptimizer's scale in this step (float32), or
+                None without one.
             x, y, sample_weight: the batch; `sample_weight` may only be a
                 boolean mask of real examples.
 
@@ -110,7 +114,8 @@ class PrivateGradients:
         mask = _check_batch(model, y, sample_weight)
         n = static_batch_size(x)
         optimizer_state = list(zip(model.optimizer.variables, optimizer_vars))
-        scale, step = _scale_and_step(model, optimizer_state)
+        with keras.StatelessScope(state_mapping=optimizer_state):
+            step = ops.convert_to_tensor(model.optimizer.iterations)
         per_example = _per_example_function(model, forward, trainable, non_trainable)
         grads, losses, y_pred, new_non_trainable = jax.vmap(per_example, in_axes=(0, 0, None))(
             x, y, ops.ones((), "float32") if scale is None else scale
@@ -163,20 +168,13 @@ class PrivateGradients:
 def _check_batch(model: keras.Model, y: Any, sample_weight: Any) -> Any:
     """The batch's boolean mask as float32 (None without one); refuses what DPSGD cannot clip."""
     if y is None:
-        raise ValueError("DPSGD needs targets to compute one loss per example. Received: y=None")
+        raise ValueError(refusals.NO_TARGETS)
     if sample_weight is None:
         return None
     flat = keras.tree.flatten(sample_weight)
     if len(flat) != 1 or keras.backend.standardize_dtype(flat[0].dtype) != "bool":
         dtypes = sorted({keras.backend.standardize_dtype(t.dtype) for t in flat})
-        raise ValueError(
-            "DPSGD does not support sample_weight or class_weight: a weight "
-            "scales an example's gradient, so the bound l2_norm_clip on each "
-            "example's contribution, which the privacy guarantee rests on, "
-            "would no longer hold. Train on unweighted data (resample "
-            "instead of weighting). A boolean sample_weight is read as a "
-            f"mask of real examples. Received: sample_weight of dtype {dtypes}"
-        )
+        raise refusals.sample_weight_refused(dtypes)
     return ops.cast(flat[0], "float32")
 
 
@@ -194,13 +192,7 @@ def _per_example_function(
         def loss_of(values):
             y_pred, new_non_trainable, added = forward(values, non_trainable, x1)
             if len(added) > regularized:
-                raise ValueError(
-                    "DPSGD cannot clip losses added in the forward pass (add_loss, "
-                    "activity_regularizer): they are computed from the whole batch, "
-                    "so they have no per-example gradient. Weight regularizers are "
-                    f"fine. Received: {len(added) - regularized} added loss(es) in "
-                    f"model {model.name!r}"
-                )
+                raise refusals.added_losses_refused(len(added) - regularized, model.name)
             if any(masking.keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
                 raise ValueError(
                     "On the JAX backend, DPSGD cannot train a model whose outputs "
@@ -216,15 +208,6 @@ def _per_example_function(
         return grads, loss, y_pred, new_non_trainable
 
     return one
-
-
-def _scale_and_step(model: keras.Model, optimizer_state: list[Any]) -> tuple[Any, Any]:
-    """The LossScaleOptimizer's scale (None without one) and the optimizer's step."""
-    with keras.StatelessScope(state_mapping=optimizer_state):
-        step = ops.convert_to_tensor(model.optimizer.iterations)
-        if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-            return None, step
-        return ops.cast(model.optimizer.dynamic_scale, "float32"), step
 
 
 def _regularizer(variable: Any) -> Any:
