@@ -80,6 +80,18 @@ def compiled(model, jit_compile=True, **options):
     return model
 
 
+def refused(model, action):
+    """`(message, weights_kept)`: the ValueError `action()` raised (None if none), and
+    whether `model`'s weights are what they were before."""
+    before = [w.copy() for w in model.get_weights()]
+    try:
+        action()
+        message = None
+    except ValueError as error:
+        message = str(error)
+    return message, all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
 def _clipped(grads, layers):
     """The three clip groups of `jax_models.transforms`, written out."""
     out = []
@@ -177,15 +189,12 @@ def accumulation_cases(out, init, x, y, report):
         ("unreduced", make_mlp, keras.losses.MeanSquaredError(reduction=None), {}),
     ]:
         model = make(init)
-        try:
+
+        def compile_and_fit(model=model, loss=loss, kwargs=kwargs):
             model.compile(optimizer="sgd", loss=loss, accumulation_steps=3)
             fit(model, x, y, **kwargs)
-            refusals[name] = None
-        except ValueError as error:
-            refusals[name] = str(error)
-        refusals[f"{name}_weights_kept"] = all(
-            np.array_equal(a, b) for a, b in zip(model.get_weights(), make(init).get_weights())
-        )
+
+        refusals[name], refusals[f"{name}_weights_kept"] = refused(model, compile_and_fit)
     report["accumulation_refusals"] = refusals
 
 
@@ -323,18 +332,16 @@ def privacy_cases(out, init, x, y, report):
         ("sample_weight", make_mlp, {}, {"sample_weight": sample_weights()}),
     ]:
         model = make(init)
-        before = [w.copy() for w in model.get_weights()]
-        try:
+
+        def compile_and_fit(model=model, options=options, fit_kwargs=fit_kwargs):
             model.compile(
                 **{"optimizer": keras.optimizers.SGD(LR), "loss": "mse", **options},
                 differential_privacy=kt.DPSGD(DP_CLIP, 1.0),
             )
             if fit_kwargs is not None:
                 fit(model, x, y, **fit_kwargs)
-            refusals[name] = None
-        except ValueError as error:
-            refusals[name] = str(error)
-        kept[name] = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+        refusals[name], kept[name] = refused(model, compile_and_fit)
     report["dp_refusals"], report["dp_weights_kept"] = refusals, kept
 
 
@@ -594,15 +601,10 @@ def main():
         ("sample_selection", "a TopLoss"),
         ("adversarial_training", "an attack"),
     ]:
-        before = [w.copy() for w in plain.get_weights()]
-        try:
-            plain.compile(optimizer="sgd", loss="mse", **{option: value})
-            refusals[option] = None
-        except ValueError as error:
-            refusals[option] = str(error)
-        report.setdefault("weights_kept", []).append(
-            all(np.array_equal(a, b) for a, b in zip(before, plain.get_weights()))
+        refusals[option], kept = refused(
+            plain, lambda: plain.compile(optimizer="sgd", loss="mse", **{option: value})
         )
+        report.setdefault("weights_kept", []).append(kept)
     report["refusals"] = refusals
     try:
         kt.PCGrad  # noqa: B018
