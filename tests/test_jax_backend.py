@@ -196,7 +196,7 @@ def runs(tmp_path_factory):
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         TF_CPP_MIN_LOG_LEVEL="3",
         PYTHONPATH=str(HERE.parent),
     )
