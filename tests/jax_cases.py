@@ -58,6 +58,7 @@ from jax_models import (  # noqa: E402
     sample_weights,
     sam_cases,
     transforms,
+    two_nan_batches_data,
     with_extra_term,
 )
 
@@ -234,13 +235,45 @@ def skip_cases(out, init, report):
         save_case(out, "skip_mixed", model, fit(model, x, y))
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    try:
-        make_mlp(init).compile(
-            optimizer="sgd", loss="mse", gradient_transforms=[kt.SkipNonFinite(max_consecutive=3)]
+    stop_cases(out, init, report)
+
+
+def stop_cases(out, init, report):
+    """SkipNonFinite(max_consecutive=2): batches 1 and 2 are non-finite, so fit stops."""
+    x, y = two_nan_batches_data()
+    for name, limit, steps_per_execution in [
+        ("stop", 2, 1),
+        ("stop_spe2", 2, 2),  # the run ends inside the second execution
+        ("no_stop", 3, 1),
+    ]:
+        model = make_mlp(init)
+        model.compile(
+            optimizer=keras.optimizers.SGD(LR),
+            loss="mse",
+            steps_per_execution=steps_per_execution,
+            gradient_transforms=[kt.SkipNonFinite(max_consecutive=limit)],
         )
-        report["max_consecutive_refusal"] = None
-    except ValueError as error:
-        report["max_consecutive_refusal"] = str(error)
+        try:
+            history = fit(model, x, y)
+            report[f"{name}_error"] = None
+        except RuntimeError as error:
+            history, report[f"{name}_error"] = {}, str(error)
+        report[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
+        save_case(out, name, model, history)
+    # After a stop: clean data trains on; the nan batches stop it again.
+    clean = np.nan_to_num(y)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
+    )
+    for name, targets in [("stop_then_clean", y), ("clean_after_stop", clean), ("again", y)]:
+        try:
+            model.fit(x, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            report[f"{name}_error"] = None
+        except RuntimeError as error:
+            report[f"{name}_error"] = str(error)
+        report[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
 
 
 def hand_written_dp_loop(init, x, y):

@@ -41,6 +41,14 @@ def nan_data():
     return x, y
 
 
+def two_nan_batches_data():
+    """`data()` with nan targets in batches 1 and 2 (two non-finite steps in a row)."""
+    x, y = data()
+    y = y.copy()
+    y[BATCH + 3, 0] = y[2 * BATCH + 5, 0] = np.nan
+    return x, y
+
+
 def make_mlp(init=None, upgrade=True):
     """body1 -> body2 -> head; upgraded with kt.upgrade unless `upgrade=False`."""
     model = keras.Sequential(

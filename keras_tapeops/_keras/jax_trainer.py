@@ -78,3 +78,23 @@ def stateless_loss(
         model._losses_override.clear()
     _, non_trainable, metrics_variables = variables
     return loss, non_trainable, metrics_variables
+
+
+def value_after_last_step(model: Any, variable: Any) -> Any:
+    """The value `variable` (one of `model.metrics_variables`) has after the last step.
+
+    Keras's JAX `fit` passes the variables' values from step to step and
+    writes them back only at the end of an epoch (`jax_state_sync`); between
+    steps the latest values are in the private `model._jax_state` dict (its
+    `"metrics_variables"` list follows `model.metrics_variables`), and
+    `model._jax_state_synced` is False. A callback's `on_train_batch_end`
+    reads them here. Outside `fit`, the variable's own value. Checked on
+    Keras 3.15.
+    """
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        values = state.get("metrics_variables") or []
+        for reference, value in zip(model.metrics_variables, values):
+            if reference is variable:
+                return value
+    return variable.value

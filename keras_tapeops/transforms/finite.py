@@ -51,10 +51,13 @@ class SkipNonFinite(GradientTransform):
         max_consecutive: None, or an int >= 1: after this many non-finite
             steps in a row (see above) training stops with an error (the
             count is saved with the model, so it survives
-            `BackupAndRestore`). Not checked under XLA (`jit_compile=True`),
-            which drops assertions. TensorFlow only: the JAX step cannot
-            stop training from inside a compiled step, so `compile()`
-            refuses it there.
+            `BackupAndRestore`). On TensorFlow an assertion in the step
+            raises `InvalidArgumentError`; it is not checked under XLA
+            (`jit_compile=True`), which drops assertions. On JAX, where a
+            compiled step cannot raise, `fit` checks the count after each
+            execution of the step (every `steps_per_execution` batches) and
+            raises `RuntimeError` with the same message; the model keeps the
+            weights of the last step (the failing steps were skipped).
         where: selector of the gradients checked (None: all).
         name: the logged metric's name.
 
@@ -107,23 +110,25 @@ class SkipNonFinite(GradientTransform):
         counts = skipped * _true_overflow(getattr(state, "model", None))
         # A finite step resets the count; a loss-scale overflow leaves it.
         in_a_row = ops.where(finite, 0.0, counter + counts)
+        if self.max_consecutive is not None and keras.backend.backend() == "jax":
+            # Checked between executions of the step (backend/jax/stops.py):
+            # once the count reaches the limit it stays there and no later
+            # step of the same execution (`steps_per_execution > 1`) is
+            # applied, as if training had stopped inside the step as on
+            # TensorFlow.
+            limit = float(self.max_consecutive)
+            previous = ops.convert_to_tensor(counter)
+            in_a_row = ops.where(previous >= limit, previous, in_a_row)
+            counter.assign(in_a_row)
+            return ops.logical_and(finite, in_a_row < limit)
         counter.assign(in_a_row)
         if self.max_consecutive is not None:
-            import tensorflow as tf  # max_consecutive is TensorFlow only (see Args)
+            import tensorflow as tf  # on JAX a callback stops training (see Args)
 
             tf.debugging.assert_less(
                 in_a_row,
                 tf.constant(float(self.max_consecutive)),
-                message=(
-                    f"SkipNonFinite: {self.max_consecutive} steps in a row had "
-                    "non-finite true gradients (loss-scale overflows of mixed "
-                    "precision are not counted), so training stops. Look for "
-                    "nan or inf in the inputs, targets or sample weights, a loss "
-                    "or layer that takes log(0), sqrt(0) or divides by zero, or "
-                    "a diverging model (lower the learning rate, clip the "
-                    "gradients). Received: "
-                    f"max_consecutive={self.max_consecutive}"
-                ),
+                message=self.stop_message(),
             )
         return finite
 
@@ -131,6 +136,19 @@ class SkipNonFinite(GradientTransform):
         self, grads: Sequence[Any], variables: Sequence[keras.Variable], state: TransformState
     ) -> list[Any]:
         return list(grads)
+
+    def stop_message(self) -> str:
+        """The error that stops training after `max_consecutive` non-finite steps in a row."""
+        return (
+            f"SkipNonFinite: {self.max_consecutive} steps in a row had "
+            "non-finite true gradients (loss-scale overflows of mixed "
+            "precision are not counted), so training stops. Look for "
+            "nan or inf in the inputs, targets or sample weights, a loss "
+            "or layer that takes log(0), sqrt(0) or divides by zero, or "
+            "a diverging model (lower the learning rate, clip the "
+            "gradients). Received: "
+            f"max_consecutive={self.max_consecutive}"
+        )
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -22,12 +22,14 @@ from keras import ops
 
 from keras_tapeops._keras import jax_trainer
 from keras_tapeops.accumulation.flush import FlushingFit
+from keras_tapeops.accumulation.flush import add_callbacks_first
 from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
 from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax import privacy
+from keras_tapeops.backend.jax import stops
 from keras_tapeops.backend.jax.options import pop_jax_options
 from keras_tapeops.hook_overrides import default_hook
 from keras_tapeops.hook_overrides import overrides
@@ -213,6 +215,22 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         state.create_trackers()
         self._tapeops = options
         self._tapeops_state = state
+
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
+        """Stock `fit()`; with `SkipNonFinite(max_consecutive=...)` it can stop with an error.
+
+        The check runs between steps (`backend/jax/stops.py`): its callback
+        runs first, before the user's. Everything else is `FlushingFit.fit`.
+        """
+        if stops.stops_requested(self.tapeops_options):
+            args, kwargs = add_callbacks_first(
+                self,
+                args,
+                kwargs,
+                [stops.ConsecutiveSkipsStop()],
+                "With kt.SkipNonFinite(max_consecutive=...) on JAX",
+            )
+        return super().fit(*args, **kwargs)
 
     @property
     def tapeops_options(self) -> TapeOpsOptions | None:

@@ -144,12 +144,5 @@ def check_jax_transform(transform: GradientTransform) -> None:
         transform: a `kt.GradientTransform`.
     """
     cls = type(transform)
-    if isinstance(transform, SkipNonFinite) and transform.max_consecutive is not None:
-        # Stopping training needs an assertion inside the compiled step.
-        _refuse(
-            "gradient_transforms",
-            [transform],
-            f" with SkipNonFinite(max_consecutive={transform.max_consecutive})",
-        )
     if not isinstance(transform, JAX_TRANSFORMS) and cls.__module__.startswith("keras_tapeops."):
         _refuse("gradient_transforms", [transform], f" with {cls.__name__}")
