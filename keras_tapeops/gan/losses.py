@@ -14,37 +14,45 @@ float32.
 
 `non_saturating` is binary cross-entropy on logits (real = 1, fake = 0) with
 the generator trained on the label "real" (Goodfellow et al., 2014).
+Written with `keras.ops`: the same functions serve TensorFlow and JAX.
 """
 
-import tensorflow as tf
+import keras
+from keras import ops
 
 
 def mean_score(logits, fn=None):
     """`sum over outputs of mean(fn(output))` in float32 (`fn` None: identity)."""
-    flat = [tf.cast(t, "float32") for t in tf.nest.flatten(logits)]
-    return tf.add_n([tf.reduce_mean(t if fn is None else fn(t)) for t in flat])
+    flat = [ops.cast(t, "float32") for t in keras.tree.flatten(logits)]
+    means = [ops.mean(t if fn is None else fn(t)) for t in flat]
+    total = means[0]
+    for value in means[1:]:
+        total = total + value
+    return total
 
 
 def _non_saturating_d(real, fake):
-    return mean_score(real, lambda t: tf.nn.softplus(-t)) + mean_score(fake, tf.nn.softplus)
+    return mean_score(real, lambda t: ops.softplus(-t)) + mean_score(fake, ops.softplus)
 
 
 def _non_saturating_g(fake):
-    return mean_score(fake, lambda t: tf.nn.softplus(-t))
+    return mean_score(fake, lambda t: ops.softplus(-t))
 
 
 def _hinge_d(real, fake):
-    return mean_score(real, lambda t: tf.nn.relu(1.0 - t)) + mean_score(
-        fake, lambda t: tf.nn.relu(1.0 + t)
+    return mean_score(real, lambda t: ops.relu(1.0 - t)) + mean_score(
+        fake, lambda t: ops.relu(1.0 + t)
     )
 
 
 def _least_squares_d(real, fake):
-    return 0.5 * mean_score(real, lambda t: tf.square(t - 1.0)) + 0.5 * mean_score(fake, tf.square)
+    return 0.5 * mean_score(real, lambda t: ops.square(t - 1.0)) + 0.5 * mean_score(
+        fake, ops.square
+    )
 
 
 def _least_squares_g(fake):
-    return 0.5 * mean_score(fake, lambda t: tf.square(t - 1.0))
+    return 0.5 * mean_score(fake, lambda t: ops.square(t - 1.0))
 
 
 def _wasserstein_d(real, fake):

@@ -7,31 +7,36 @@ or from the overridable hooks; a discriminator penalty from `penalties.py`.
 Each player has its own optimizer and its own gradient transforms, applied
 to true gradients (unscaled, summed over replicas) as in
 `TapeOpsMixin.apply_optimizer_step`; losses are scaled like Keras scales
-them for `tf.distribute` and mixed precision.
+them for `tf.distribute` and mixed precision. The step itself is the
+backend's (`gan/tf_step.py`, `backend/jax/gan.py`); everything here is
+shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from typing import Callable
 from typing import Sequence
 from typing import TYPE_CHECKING
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_tapeops._keras import private
-from keras_tapeops import replicas
-from keras_tapeops import true_gradients
 from keras_tapeops import validation
+from keras_tapeops.gan import backend_ops
 from keras_tapeops.gan import losses
 from keras_tapeops.gan.penalties import DiscriminatorPenalty
 from keras_tapeops.registration import register
 from keras_tapeops.registration import serialize_all
 from keras_tapeops.transforms.base import GradientTransform
-from keras_tapeops.transforms.base import apply_in_order
-from keras_tapeops.typing_aliases import Gradient
 from keras_tapeops.typing_aliases import Nested
+
+if keras.backend.backend() == "jax":
+    from keras_tapeops.backend.jax.gan import JaxGANStep as _Step
+else:
+    from keras_tapeops.gan.tf_step import TensorFlowGANStep as _Step  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -40,7 +45,7 @@ _STOCK_COMPILE_KWARGS = ("run_eagerly", "steps_per_execution", "jit_compile", "a
 
 
 @register
-class GAN(keras.Model):
+class GAN(_Step, keras.Model):
     """A GAN as a Keras model: `compile()` then `fit(real)` (or `fit(real, labels)`).
 
     Each train step runs `discriminator_steps` discriminator updates, each
@@ -265,6 +270,7 @@ class GAN(keras.Model):
         self._bound_generator_transforms, discriminator_bound = bound
         setattr(self, f"_bound_{role}_transforms", discriminator_bound)
         self._gan_compile_kwargs = dict(kwargs)
+        self._gan_compiled()
 
     def _public_name(self):
         """The class named in messages: the first package class in the MRO."""
@@ -283,11 +289,13 @@ class GAN(keras.Model):
         Keras builds only `model.optimizer` before the first step; variables
         created lazily inside a replicated step would break `tf.distribute`.
         """
-        with self.distribute_strategy.scope():
-            for optimizer, player in (
-                (self.generator_optimizer, self.generator),
-                (self._discriminator_optimizer, self._discriminator),
-            ):
+        players = (
+            (self.generator_optimizer, self.generator),
+            (self._discriminator_optimizer, self._discriminator),
+        )
+        strategy = getattr(self, "distribute_strategy", None)  # TensorFlow only
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            for optimizer, player in players:
                 if not optimizer.built:
                     optimizer.build(player.trainable_variables)
 
@@ -321,69 +329,14 @@ class GAN(keras.Model):
             )
         return real, labels
 
-    def train_step(self, data: Nested) -> dict[str, tf.Tensor]:
-        real, labels = self._unpack(data)
-        n = replicas.batch_size(real)
-        discriminator_losses, penalties = [], []
-        for step in range(self._discriminator_steps):
-            loss, penalty = self.discriminator_train_step(real, step, labels)
-            discriminator_losses.append(loss)
-            penalties.append(penalty)
-        # One tracker update per batch (the mean over its discriminator steps,
-        # all of the same size): the same epoch mean as one update per step.
-        self._discriminator_tracker.update_state(
-            _unless_empty(_mean(discriminator_losses), n), sample_weight=n
-        )
-        if self.gradient_penalty is not None:
-            self.gradient_penalty_tracker.update_state(
-                _unless_empty(_mean(penalties), n), sample_weight=n
-            )
-        generator_loss = self.generator_train_step(real, labels)
-        self.generator_loss_tracker.update_state(_unless_empty(generator_loss, n), sample_weight=n)
-        return {m.name: m.result() for m in self.metrics}
-
-    def test_step(self, data: Nested) -> dict[str, tf.Tensor]:
-        real, labels = self._unpack(data)
-        n = replicas.batch_size(real)
-        loss, penalty = self.discriminator_losses(real, 0, False, labels)
-        generator_loss = self.generator_objective(real, False, labels)
-        self._discriminator_tracker.update_state(_unless_empty(loss, n), sample_weight=n)
-        if self.gradient_penalty is not None:
-            self.gradient_penalty_tracker.update_state(_unless_empty(penalty, n), sample_weight=n)
-        self.generator_loss_tracker.update_state(_unless_empty(generator_loss, n), sample_weight=n)
-        return {m.name: m.result() for m in self.metrics}
-
-    def discriminator_train_step(
-        self, real: Nested, step: int, labels: Nested = None
-    ) -> tuple[tf.Tensor, tf.Tensor | None]:
-        """One discriminator update; returns the (unscaled) `(loss, penalty)`."""
-        optimizer = self._discriminator_optimizer
-        variables = self._discriminator.trainable_variables
-        with tf.GradientTape() as tape:
-            loss, penalty = self.discriminator_losses(real, step, True, labels)
-            scaled = optimizer.scale_loss(replicas.scale_for_distribution(loss))
-        grads = tape.gradient(scaled, variables)
-        self.apply_discriminator_gradients(grads, variables)
-        return loss, penalty
-
-    def generator_train_step(self, real: Nested, labels: Nested = None) -> tf.Tensor:
-        """One generator update; returns the (unscaled) generator loss."""
-        variables = self.generator.trainable_variables
-        with tf.GradientTape() as tape:
-            loss = self.generator_objective(real, True, labels)
-            scaled = self.generator_optimizer.scale_loss(replicas.scale_for_distribution(loss))
-        grads = tape.gradient(scaled, variables)
-        _apply(self.generator_optimizer, self._bound_generator_transforms, grads, variables)
-        return loss
-
     def discriminator_losses(
         self, real: Nested, step: int, training: bool, labels: Nested = None
-    ) -> tuple[tf.Tensor, tf.Tensor | None]:
+    ) -> tuple[Any, Any]:
         """Returns `(loss, penalty)` (float32; penalty None without one) for fresh noise."""
         fake = self.generator(self._generator_input(real, step, labels), training=training)
         fake_logits = self._discriminate(fake, labels, training)
         real_logits = self._discriminate(real, labels, training)
-        loss = tf.cast(self.discriminator_loss(real_logits, fake_logits), "float32")
+        loss = ops.cast(self.discriminator_loss(real_logits, fake_logits), "float32")
         penalty = self.gradient_penalty
         if penalty is None:
             return loss, None
@@ -394,17 +347,19 @@ class GAN(keras.Model):
             def discriminator(x, training=True):
                 return self._discriminator([x, labels], training=training)
 
+            setattr(discriminator, "tapeops_player", self._discriminator)  # its statistics
+
         alpha = self._alpha(real, step) if penalty.interpolates else None
-        value = tf.cast(
+        value = ops.cast(
             penalty(discriminator, real, fake, alpha=alpha, training=training), "float32"
         )
-        return loss + tf.cast(penalty.weight, "float32") * value, value
+        return loss + ops.cast(penalty.weight, "float32") * value, value
 
-    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> tf.Tensor:
+    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> Any:
         """Returns the generator's loss (float32) for fresh noise."""
         step = self._discriminator_steps
         fake = self.generator(self._generator_input(real, step, labels), training=training)
-        return tf.cast(
+        return ops.cast(
             self._generator_loss_of(self._discriminate(fake, labels, training)), "float32"
         )
 
@@ -417,7 +372,7 @@ class GAN(keras.Model):
         return self._discriminator(inputs, training=training)
 
     # ---------------------------------------------------- overridable hooks
-    def sample_latent(self, batch_size: int | tf.Tensor) -> tf.Tensor:
+    def sample_latent(self, batch_size: Any) -> Any:
         """Latent vectors for one update: `N(0, 1)` of shape `(batch_size, latent_dim)`.
 
         Called once per discriminator update and once per generator update.
@@ -429,9 +384,9 @@ class GAN(keras.Model):
         Returns:
             A float tensor of shape `(batch_size, latent_dim)`.
         """
-        return tf.random.normal([batch_size, self.latent_dim])
+        return backend_ops.normal(self, [batch_size, self.latent_dim])
 
-    def discriminator_loss(self, real_logits: tf.Tensor, fake_logits: tf.Tensor) -> tf.Tensor:
+    def discriminator_loss(self, real_logits: Any, fake_logits: Any) -> Any:
         """The discriminator's loss (the penalty is added after), a scalar.
 
         Default: the `loss` given to the constructor (see `kt.gan.losses`).
@@ -443,7 +398,7 @@ class GAN(keras.Model):
         """
         return losses.discriminator_loss(self.adversarial_loss, real_logits, fake_logits)
 
-    def generator_loss(self, fake_logits: tf.Tensor) -> tf.Tensor:
+    def generator_loss(self, fake_logits: Any) -> Any:
         """The generator's loss from the discriminator's output on generated samples."""
         return losses.generator_loss(self.adversarial_loss, fake_logits)
 
@@ -451,29 +406,13 @@ class GAN(keras.Model):
     # `sample_latent(real, step)`, `sample_alpha(real, step)` and
     # `generator_loss(real, training)` have other signatures.
     def _latent(self, real, step):
-        return self.sample_latent(replicas.batch_size(real))
+        return self.sample_latent(backend_ops.batch_size(real))
 
     def _alpha(self, real, step):
-        return tf.random.uniform([replicas.batch_size(real)], 0.0, 1.0)
+        return backend_ops.uniform(self, [backend_ops.batch_size(real)])
 
     def _generator_loss_of(self, fake_logits):
         return self.generator_loss(fake_logits)
-
-    def apply_discriminator_gradients(
-        self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
-    ) -> None:
-        """Applies the discriminator's gradients, through its transforms if any.
-
-        As in `TapeOpsMixin.apply_optimizer_step`: the transforms see true
-        gradients (unscaled, summed once over replicas); a non-finite step
-        still reaches a `LossScaleOptimizer` as non-finite so it is skipped.
-        """
-        _apply(
-            self._discriminator_optimizer,
-            getattr(self, f"_bound_{self._role}_transforms"),
-            grads,
-            variables,
-        )
 
     # ------------------------------------------------------------------ saving
     def get_config(self) -> dict[str, Any]:
@@ -530,28 +469,6 @@ class GAN(keras.Model):
         self.compile(**config)
         # Create the optimizer variables so the saved states load into them.
         self.build_optimizers()
-
-
-def _apply(optimizer, bound, grads, variables):
-    if not bound:
-        optimizer.apply_gradients(zip(grads, variables))
-        return
-    true_gradients.apply_transformed(
-        optimizer,
-        grads,
-        variables,
-        transform=lambda g, v: apply_in_order(bound, g, v),
-    )
-
-
-def _unless_empty(value, n):
-    """`value`, or 0 for an empty batch (its mean is nan; its tracker weight is 0)."""
-    value = tf.convert_to_tensor(value)
-    return tf.where(tf.cast(n, tf.float32) > 0, value, tf.zeros_like(value))
-
-
-def _mean(values):
-    return tf.add_n(values) / float(len(values))
 
 
 def _check_model(model, name):

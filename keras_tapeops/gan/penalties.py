@@ -6,6 +6,8 @@ differentiable w.r.t. the discriminator's weights (double backprop); the GAN
 adds `weight * value` to the discriminator loss and logs the value as
 `gradient_penalty`. In conditional mode the discriminator callable it
 receives already holds the labels: gradients are taken w.r.t. the samples only.
+Both penalties run on TensorFlow and JAX (input gradients by
+`gan/backend_ops.py`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Any
 from typing import Callable
 from typing import TYPE_CHECKING
 
-import tensorflow as tf
+import keras
+from keras import ops
 
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
-from keras_tapeops.penalty import gradient_penalty
+from keras_tapeops.gan import backend_ops
 from keras_tapeops.registration import register
+from keras_tapeops.transforms.clipping import add_n
 from keras_tapeops.typing_aliases import Nested
 
 if TYPE_CHECKING:
@@ -55,9 +59,9 @@ class DiscriminatorPenalty(ConfigRepr):
         discriminator: Callable[..., Any],
         real: Nested,
         fake: Nested,
-        alpha: tf.Tensor | None = None,
+        alpha: Any = None,
         training: bool = True,
-    ) -> tf.Tensor:
+    ) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must implement "
             "__call__(discriminator, real, fake, alpha=None, training=True)."
@@ -99,16 +103,17 @@ class R1Penalty(DiscriminatorPenalty):
         discriminator: Callable[..., Any],
         real: Nested,
         fake: Nested = None,
-        alpha: tf.Tensor | None = None,
+        alpha: Any = None,
         training: bool = True,
-    ) -> tf.Tensor:
-        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(real)]
-        with tf.GradientTape() as tape:
-            tape.watch(flat)
-            scores = discriminator(tf.nest.pack_sequence_as(real, flat), training=training)
-        grads = tape.gradient(tf.nest.flatten(scores), flat)
+    ) -> Any:
+        def scores(flat: list[Any]) -> Any:
+            return discriminator(keras.tree.pack_sequence_as(real, flat), training=training)
+
+        grads = backend_ops.input_gradients(
+            scores, keras.tree.flatten(real), _statistics(discriminator)
+        )
         squared = [
-            tf.reduce_sum(tf.square(tf.cast(g, "float32")), axis=list(range(1, g.shape.rank)))
+            ops.sum(ops.square(ops.cast(g, "float32")), axis=tuple(range(1, len(g.shape))))
             for g in grads
             if g is not None
         ]
@@ -117,7 +122,7 @@ class R1Penalty(DiscriminatorPenalty):
                 "R1Penalty: the discriminator's output does not depend on the real "
                 "samples. Received: gradients that are all None"
             )
-        return tf.reduce_mean(tf.add_n(squared))
+        return ops.mean(add_n(squared))
 
     def get_config(self) -> dict[str, Any]:
         return {"gamma": self.gamma}
@@ -153,12 +158,26 @@ class WGANGradientPenalty(DiscriminatorPenalty):
         discriminator: Callable[..., Any],
         real: Nested,
         fake: Nested,
-        alpha: tf.Tensor | None = None,
+        alpha: Any = None,
         training: bool = True,
-    ) -> tf.Tensor:
+    ) -> Any:
+        if keras.backend.backend() == "jax":
+            from keras_tapeops.backend.jax.gan import interpolated_penalty
+
+            return interpolated_penalty(
+                discriminator, real, fake, alpha, self.target, training, _statistics(discriminator)
+            )
+        from keras_tapeops.penalty import gradient_penalty
+
         return gradient_penalty(
             discriminator, real, fake, alpha=alpha, target=self.target, training=training
         )
 
     def get_config(self) -> dict[str, Any]:
         return {"weight": self.weight, "target": self.target}
+
+
+def _statistics(discriminator: Any) -> list[Any]:
+    """The discriminator's non-trainable variables (a plain callable: none known)."""
+    owner = getattr(discriminator, "tapeops_player", discriminator)
+    return list(getattr(owner, "non_trainable_variables", []))

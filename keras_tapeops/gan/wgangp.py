@@ -13,13 +13,12 @@ from typing import Sequence
 from typing import TYPE_CHECKING
 
 import keras
-import tensorflow as tf
 
 from keras_tapeops import validation
+from keras_tapeops.gan import backend_ops
 from keras_tapeops.gan import losses
 from keras_tapeops.gan.model import GAN
 from keras_tapeops.gan.penalties import WGANGradientPenalty
-from keras_tapeops import replicas
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.typing_aliases import Gradient
@@ -131,31 +130,29 @@ class WGANGP(GAN):
     # them changes the step, as before WGANGP shared it).
     def discriminator_train_step(
         self, real: Nested, step: int, labels: Nested = None
-    ) -> tuple[tf.Tensor, tf.Tensor | None]:
+    ) -> tuple[Any, Any]:
         return self.critic_train_step(real, step)
 
-    def critic_train_step(self, real: Nested, step: int) -> tuple[tf.Tensor, tf.Tensor | None]:
+    def critic_train_step(self, real: Nested, step: int) -> tuple[Any, Any]:
         """One critic update; returns the (unscaled) `(critic_loss, penalty)`."""
         return GAN.discriminator_train_step(self, real, step)
 
     def discriminator_losses(
         self, real: Nested, step: int, training: bool, labels: Nested = None
-    ) -> tuple[tf.Tensor, tf.Tensor | None]:
+    ) -> tuple[Any, Any]:
         return self.critic_losses(real, step, training)
 
-    def critic_losses(
-        self, real: Nested, step: int, training: bool
-    ) -> tuple[tf.Tensor, tf.Tensor | None]:
+    def critic_losses(self, real: Nested, step: int, training: bool) -> tuple[Any, Any]:
         """Returns `(critic_loss, penalty)` (float32) for `real` and fresh noise."""
         return GAN.discriminator_losses(self, real, step, training)
 
-    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> tf.Tensor:
+    def generator_objective(self, real: Nested, training: bool, labels: Nested = None) -> Any:
         return self.generator_loss(real, training)
 
     # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
     def generator_loss(  # type: ignore[override]
         self, real: Nested, training: bool
-    ) -> tf.Tensor:
+    ) -> Any:
         """Returns `-mean(critic(generator(z)))` (float32) for fresh noise."""
         return GAN.generator_objective(self, real, training)
 
@@ -176,7 +173,7 @@ class WGANGP(GAN):
     # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
     def sample_latent(  # type: ignore[override]
         self, real: Nested, step: int
-    ) -> tf.Tensor:
+    ) -> Any:
         """Latent vectors for one update: `N(0, 1)` of shape `(batch, latent_dim)`.
 
         Override for other priors or for deterministic tests.
@@ -188,14 +185,14 @@ class WGANGP(GAN):
         Returns:
             A float tensor of shape `(batch, latent_dim)`.
         """
-        return tf.random.normal([replicas.batch_size(real), self.latent_dim])
+        return backend_ops.normal(self, [backend_ops.batch_size(real), self.latent_dim])
 
-    def sample_alpha(self, real: Nested, step: int) -> tf.Tensor:
+    def sample_alpha(self, real: Nested, step: int) -> Any:
         """Interpolation weights of the penalty: `U[0, 1]` of shape `(batch,)`.
 
         Override for deterministic tests (same arguments as `sample_latent`).
         """
-        return tf.random.uniform([replicas.batch_size(real)], 0.0, 1.0)
+        return backend_ops.uniform(self, [backend_ops.batch_size(real)])
 
     def _latent(self, real, step):
         return self.sample_latent(real, step)
