@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import keras_tapeops as kt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from jax_gan_cases import gan_cases
 from jax_models import (  # noqa: E402
     DP_CLIP,
     dp_cases,
@@ -626,6 +627,7 @@ def main():
     skip_cases(out, init, report)
     privacy_cases(out, init, x, y, report)
     training_state_cases(out, init, x, y, report)
+    gan_cases(out, report)
 
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}

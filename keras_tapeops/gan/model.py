@@ -258,6 +258,7 @@ class GAN(_Step, keras.Model):
             variables = list(player.trainable_variables)
             transforms.append(values)
             bound.append(tuple((t, t.bind(player, variables)) for t in values))
+        self._gan_check(bound)  # what the backend's step cannot run, before compiling
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         if auto_scale_loss and self.dtype_policy.name == "mixed_float16":
             generator_optimizer = _loss_scaled(generator_optimizer, "generator")

@@ -40,6 +40,9 @@ class TensorFlowGANStep:
 
         def __getattr__(self, name: str) -> Any: ...
 
+    def _gan_check(self, bound: Sequence[Any]) -> None:
+        """Every option runs on TensorFlow (the JAX step refuses some here)."""
+
     def _gan_compiled(self) -> None:
         """Nothing to prepare on TensorFlow (the JAX step sets its optimizer here)."""
 

@@ -339,12 +339,18 @@ class JaxGANStep:
 
         def __getattr__(self, name: str) -> Any: ...
 
-    def _gan_compiled(self) -> None:
-        """Refuses what the JAX step cannot run, then sets `optimizer` to both players'."""
+    def _gan_check(self, bound: Sequence[Sequence[Any]]) -> None:
+        """Refuses, before compiling, what the JAX step cannot run.
+
+        Args:
+            bound: each player's bound `(transform, state)` pairs.
+        """
         _refuse_tensorflow_hooks(type(self))
-        bound = getattr(self, f"_bound_{self._role}_transforms")
-        for pairs in (getattr(self, "_bound_generator_transforms"), bound):
+        for pairs in bound:
             _refuse_stateful_transforms(pairs)
+
+    def _gan_compiled(self) -> None:
+        """Sets `optimizer` to both players' (the state group Keras's JAX step carries)."""
         self.optimizer = PlayerOptimizers(
             (self.generator_optimizer, self._discriminator_optimizer),
             (self.generator, self._discriminator),

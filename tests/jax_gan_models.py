@@ -1,0 +1,132 @@
+"""GANs for the JAX backend's tests, built alike on TensorFlow and JAX.
+
+Imported by the JAX process (`jax_gan_cases.py`) and by the TensorFlow test
+process (`test_jax_backend.py`): the networks start from the same NumPy
+weights, and the noise and interpolation hooks are functions of the real
+batch written with `keras.ops`, so both backends draw the same numbers.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+import keras_tapeops as kt
+
+PACKAGE = "tapeops_jax_gan"
+GAN_BATCH, GAN_EPOCHS, SAMPLES = 8, 2, 32
+LABELS = 3
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class SeededWGANGP(kt.WGANGP):
+    """WGANGP whose noise and interpolation weights are functions of the real batch."""
+
+    def sample_latent(self, real, step):
+        k = ops.arange(self.latent_dim, dtype="float32")
+        return ops.sin(real[:, :1] * (step + 1.3) + 0.7 * k) + ops.cos(real[:, 1:2] * (k + 1.0))
+
+    def sample_alpha(self, real, step):
+        return ops.sigmoid(ops.sum(real, axis=1) * (step + 1.0))
+
+
+@keras.saving.register_keras_serializable(package=PACKAGE)
+class SeededGAN(kt.GAN):
+    """kt.GAN whose noise depends on the batch size only (the same every update)."""
+
+    def sample_latent(self, batch_size):
+        grid = ops.arange(batch_size * self.latent_dim, dtype="float32")
+        return ops.reshape(ops.sin(grid * 0.37), (batch_size, self.latent_dim))
+
+
+def points(n=SAMPLES, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, 2)).astype("float32")
+
+
+def labels(n=SAMPLES, seed=1):
+    return np.eye(LABELS, dtype="float32")[np.random.default_rng(seed).integers(0, LABELS, n)]
+
+
+def _weights(shapes, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=0.5, size=s).astype("float32") for s in shapes]
+
+
+def networks(conditional=False, seed=0):
+    """`(generator, critic)`: small MLPs with fixed NumPy weights."""
+    if conditional:
+        z, y = keras.Input((2,)), keras.Input((LABELS,))
+        h = keras.layers.Dense(4, activation="tanh")(keras.layers.Concatenate()([z, y]))
+        generator = keras.Model([z, y], keras.layers.Dense(2)(h), name="generator")
+        x, y2 = keras.Input((2,)), keras.Input((LABELS,))
+        h = keras.layers.Dense(4, activation="tanh")(keras.layers.Concatenate()([x, y2]))
+        critic = keras.Model([x, y2], keras.layers.Dense(1)(h), name="critic")
+    else:
+        generator = keras.Sequential(
+            [keras.Input((2,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)],
+            name="generator",
+        )
+        critic = keras.Sequential(
+            [keras.Input((2,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)],
+            name="critic",
+        )
+    for i, model in enumerate((generator, critic)):
+        model.set_weights(_weights([w.shape for w in model.get_weights()], seed + i))
+    return generator, critic
+
+
+def wgangp(**compile_kwargs):
+    """SeededWGANGP (2 critic steps, penalty weight 1) with a clipped critic, SGD."""
+    generator, critic = networks()
+    gan = SeededWGANGP(generator, critic, latent_dim=2, critic_steps=2, gp_weight=1.0)
+    gan.compile(
+        generator_optimizer=keras.optimizers.SGD(0.05),
+        critic_optimizer=keras.optimizers.SGD(0.05),
+        gradient_transforms=[kt.ClipByGlobalNorm(0.5)],
+        **compile_kwargs,
+    )
+    return gan
+
+
+def r1_gan(**compile_kwargs):
+    """SeededGAN, non-saturating loss, R1 penalty, Adam, a clipped generator."""
+    generator, critic = networks(seed=4)
+    gan = SeededGAN(
+        generator, critic, latent_dim=2, loss="non_saturating", gradient_penalty=kt.R1Penalty(2.0)
+    )
+    gan.compile(
+        generator_optimizer=keras.optimizers.Adam(0.01),
+        discriminator_optimizer=keras.optimizers.Adam(0.01),
+        generator_gradient_transforms=[kt.ClipByNorm(0.3)],
+        **compile_kwargs,
+    )
+    return gan
+
+
+def conditional_gan():
+    """A conditional SeededGAN, hinge loss, two discriminator steps, SGD."""
+    generator, critic = networks(conditional=True, seed=8)
+    gan = SeededGAN(
+        generator, critic, latent_dim=2, loss="hinge", discriminator_steps=2, conditional=True
+    )
+    gan.compile(
+        generator_optimizer=keras.optimizers.SGD(0.05),
+        discriminator_optimizer=keras.optimizers.SGD(0.05),
+    )
+    return gan
+
+
+def hinge_gan():
+    """SeededGAN, hinge loss, one discriminator step, SGD(0.05): the hand loop's model."""
+    generator, critic = networks(seed=12)
+    gan = SeededGAN(generator, critic, latent_dim=2, loss="hinge")
+    gan.compile(
+        generator_optimizer=keras.optimizers.SGD(0.05),
+        discriminator_optimizer=keras.optimizers.SGD(0.05),
+    )
+    return gan
+
+
+def fit_gan(gan, x, y=None, epochs=GAN_EPOCHS):
+    return gan.fit(
+        x, y, batch_size=GAN_BATCH, epochs=epochs, shuffle=False, verbose=0
+    ).history
