@@ -36,7 +36,6 @@ import keras
 from keras import ops
 
 from keras_tapeops.backend.jax import loss as jax_loss
-from keras_tapeops.gan import backend_ops
 from keras_tapeops.penalty_norm import per_sample_norm
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
@@ -269,6 +268,11 @@ class _StepValues:
         return loss, extra
 
 
+def _batch_size(x: Any) -> Any:
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return ops.shape(first)[0]
+
+
 def _positions(variables: Sequence[Any], subset: Sequence[Any]) -> list[int]:
     index = {id(v): i for i, v in enumerate(variables)}
     return [index[id(v)] for v in subset]
@@ -366,7 +370,7 @@ class JaxGANStep:
         """The stateless JAX step: `(logs, new_state)` for one batch."""
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         real, labels = self._unpack(data)
-        n = backend_ops.batch_size(real)
+        n = _batch_size(real)
         values = _StepValues(self, trainable, non_trainable, optimizer_vars)
         step = values.read(lambda: self.generator_optimizer.iterations)
         discriminator_bound = getattr(self, f"_bound_{self._role}_transforms")
@@ -407,7 +411,7 @@ class JaxGANStep:
         """The stateless JAX evaluation step (no update): `(logs, new_state)`."""
         trainable, non_trainable, metrics_vars = state
         real, labels = self._unpack(data)
-        n = backend_ops.batch_size(real)
+        n = _batch_size(real)
         mapping = list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )
