@@ -50,6 +50,7 @@ from keras_tapeops.transforms.update_ratio import LogUpdateRatio  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsFunctional  # noqa: E402
 from keras_tapeops.upgrade import TapeOpsSequential  # noqa: E402
 from keras_tapeops.upgrade import upgrade  # noqa: E402
+from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.PrivacyBudget; the rest on TF)
 from keras_tapeops import gan  # noqa: E402,F401  (kt.gan.losses, kt.gan.DiscriminatorPenalty)
 from keras_tapeops.gan import GAN  # noqa: E402
 from keras_tapeops.gan import R1Penalty  # noqa: E402
@@ -59,7 +60,6 @@ from keras_tapeops.gan import WGANGradientPenalty  # noqa: E402
 if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops.mixin import TapeOpsMixin  # noqa: E402
     from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
-    from keras_tapeops import callbacks  # noqa: E402  (kt.callbacks.Sharpness, ...)
     from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
     from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
     from keras_tapeops.meta import MetaLearner  # noqa: E402

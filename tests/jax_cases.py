@@ -402,6 +402,40 @@ def training_state_cases(out, init, x, y, report):
         save_case(out, "state_tf_file_continued", loaded, {})
 
 
+def budget_cases(report):
+    """kt.callbacks.PrivacyBudget: epsilon logged, training stopped before the target."""
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 2, size=32)
+    target = kt.privacy.epsilon(6, 0.25, 0.8, accountant="rdp")  # the 7th step exceeds it
+    for steps_per_execution, rate in [(1, None), (2, 0.25)]:
+        model = kt.upgrade(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
+            differential_privacy=kt.DPSGD(1.0, 0.8),
+        )
+        budget = kt.callbacks.PrivacyBudget(
+            32, target_epsilon=target, accountant="rdp", sampling_rate=rate
+        )
+        history = model.fit(x, y, batch_size=8, epochs=5, callbacks=[budget], verbose=0).history
+        report[f"budget_spe{steps_per_execution}"] = {
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "epsilon": [float(e) for e in history["epsilon"]],
+            "loss_logged": len(history["loss"]),
+        }
+    # Masked batches: the rate cannot be inferred, so the first one is refused.
+    mask = np.ones(32, bool)
+    mask[::5] = False
+    budget = kt.callbacks.PrivacyBudget(32, accountant="rdp")
+    report["budget_mask_refusal"], report["budget_mask_weights_kept"] = refused(
+        model,
+        lambda: model.fit(
+            x, y, sample_weight=mask, batch_size=8, callbacks=[budget], verbose=0
+        ),
+    )
+
+
 def main():
     out = Path(sys.argv[1])
     init = list(np.load(sys.argv[2]).values())
@@ -628,6 +662,7 @@ def main():
     privacy_cases(out, init, x, y, report)
     training_state_cases(out, init, x, y, report)
     gan_cases(out, report)
+    budget_cases(report)
 
     # Refusals: each option the JAX step lacks, named with the backend.
     refusals = {}

@@ -81,20 +81,26 @@ def stateless_loss(
 
 
 def value_after_last_step(model: Any, variable: Any) -> Any:
-    """The value `variable` (one of `model.metrics_variables`) has after the last step.
+    """The value `variable` (a metric's or the optimizer's) has after the last step.
 
     Keras's JAX `fit` passes the variables' values from step to step and
     writes them back only at the end of an epoch (`jax_state_sync`); between
     steps the latest values are in the private `model._jax_state` dict (its
-    `"metrics_variables"` list follows `model.metrics_variables`), and
-    `model._jax_state_synced` is False. A callback's `on_train_batch_end`
-    reads them here. Outside `fit`, the variable's own value. Checked on
-    Keras 3.15.
+    `"metrics_variables"` and `"optimizer_variables"` lists follow
+    `model.metrics_variables` and `model.optimizer.variables`), and
+    `model._jax_state_synced` is False. A callback's `on_train_batch_begin`
+    or `on_train_batch_end` reads them here. Otherwise, the variable's own
+    value. Checked on Keras 3.15.
     """
     state = getattr(model, "_jax_state", None)
     if state and not getattr(model, "_jax_state_synced", True):
-        values = state.get("metrics_variables") or []
-        for reference, value in zip(model.metrics_variables, values):
-            if reference is variable:
-                return value
+        optimizer = getattr(model, "optimizer", None)
+        groups = [
+            (model.metrics_variables, state.get("metrics_variables")),
+            ([] if optimizer is None else optimizer.variables, state.get("optimizer_variables")),
+        ]
+        for references, values in groups:
+            for reference, value in zip(references, values or []):
+                if reference is variable:
+                    return value
     return variable.value

@@ -126,7 +126,8 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         if self.sampling_rate is None:
-            self._largest_step = max(self._largest_step, float(self._engine.step_samples.numpy()))
+            samples = float(_current(self.model, self._engine.step_samples))
+            self._largest_step = max(self._largest_step, samples)
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         if logs is not None:
@@ -146,7 +147,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         return accounting.epsilon(steps, rate, self._noise_multiplier, self.delta, self.accountant)
 
     def _steps(self):
-        return int(self.model.optimizer.iterations.numpy())
+        return int(_current(self.model, self.model.optimizer.iterations))
 
     def _execution_steps(self):
         """The most optimizer steps one call of the train function can apply.
@@ -245,19 +246,36 @@ _MASKED_BATCHES = (
 )
 
 
+def _current(model, variable):
+    """`variable`'s value now, also between the steps of a JAX `fit`."""
+    if keras.backend.backend() == "jax":
+        from keras_tapeops._keras import jax_trainer
+
+        return jax_trainer.value_after_last_step(model, variable)
+    return variable.numpy()
+
+
 def _skip_next_execution(model):
     """Makes the next call of `model.train_function` run no step (once).
 
     Keras's `fit` reads `stop_training` only after a train function call, so
     a callback cannot stop training before a batch. The call about to happen
     returns the current metric values instead; the original function is put
-    back by that call, so the next `fit` trains as usual.
+    back by that call, so the next `fit` trains as usual. On JAX the train
+    function takes and returns the step's state: it is returned unchanged,
+    with the metric values it holds.
     """
     original = model.train_function
 
-    def no_step(iterator):
+    def no_step(*args):
         model.train_function = original
-        return model.get_metrics_result()
+        if len(args) == 1:  # TensorFlow: train_function(iterator)
+            return model.get_metrics_result()
+        state = args[0]  # JAX: train_function(state, iterator) -> (logs, state)
+        metrics = list(zip(model.metrics_variables, state[-1]))
+        with keras.StatelessScope(state_mapping=metrics):
+            logs = model.get_metrics_result()
+        return logs, state
 
     model.train_function = no_step
 

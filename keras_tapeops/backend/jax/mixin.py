@@ -72,6 +72,11 @@ class JaxModelState:
             options.differential_privacy.check_model(model, tree)
             self.privacy = privacy.PrivateGradients(options.differential_privacy, model)
 
+    @property
+    def engine(self) -> privacy.PrivateGradients | None:
+        """The DP-SGD engine (None without `differential_privacy`), as on TensorFlow."""
+        return self.privacy
+
     def create_trackers(self) -> None:
         """One `Mean` per term, logged under the term's name (as on TensorFlow)."""
         self.term_trackers = {

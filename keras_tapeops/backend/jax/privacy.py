@@ -39,6 +39,7 @@ from keras_tapeops._keras import compile_loss as keras_loss
 from keras_tapeops._keras import masking
 from keras_tapeops._keras import private
 from keras_tapeops.accumulation.reduction_kinds import named_losses
+from keras_tapeops.backend.jax.carried import CarriedState
 from keras_tapeops.backend.jax.loss import updating_metrics
 from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy import refusals
@@ -46,6 +47,28 @@ from keras_tapeops.privacy.dpsgd import DPSGD
 from keras_tapeops.split_sizes import static_batch_size
 
 NONFINITE_METRIC = "dp_nonfinite_examples"
+STEP_SAMPLES = "dp_step_samples"
+
+
+class StepSamples(CarriedState):
+    """The number of examples in the last step (mask entries set, or rows).
+
+    Carried by the JAX step (nothing logged); `kt.callbacks.PrivacyBudget`
+    reads it to infer the sampling rate, as the TensorFlow engine's
+    `step_samples` variable.
+
+    Example:
+    ```python
+    samples = StepSamples()
+    samples.count   # the variable
+    ```
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name=STEP_SAMPLES)
+        self.count = self.add_variable((), "zeros", "float32", name="count")
+
+
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
@@ -79,7 +102,21 @@ class PrivateGradients:
     def __init__(self, option: DPSGD, model: keras.Model) -> None:
         self.option = option
         self.seed = option.seed if option.seed is not None else seeds.fresh_seed()
-        self.metrics = {NONFINITE_METRIC: keras.metrics.Sum(name=NONFINITE_METRIC)}
+        self.metrics = {
+            NONFINITE_METRIC: keras.metrics.Sum(name=NONFINITE_METRIC),
+            STEP_SAMPLES: StepSamples(),
+        }
+        # As the TensorFlow engine: set (at trace time) once a batch with a
+        # mask of real examples was traced; `mask_refusal` (a message set by
+        # kt.callbacks.PrivacyBudget, which cannot infer the rate of masked
+        # batches) refuses such a batch.
+        self.saw_mask = False
+        self.mask_refusal: str | None = None
+
+    @property
+    def step_samples(self) -> keras.Variable:
+        """The variable holding the last step's number of examples."""
+        return self.metrics[STEP_SAMPLES].count
 
     def gradients(
         self,
@@ -112,6 +149,11 @@ class PrivateGradients:
         """
         trainable, non_trainable, metrics_vars, optimizer_vars = state
         mask = _check_batch(model, y, sample_weight)
+        if mask is not None:
+            self.saw_mask = True
+            if self.mask_refusal is not None:
+                message, self.mask_refusal = self.mask_refusal, None
+                raise ValueError(message)
         n = static_batch_size(x)
         optimizer_state = list(zip(model.optimizer.variables, optimizer_vars))
         with keras.StatelessScope(state_mapping=optimizer_state):
@@ -141,6 +183,9 @@ class PrivateGradients:
                 self.metrics[NONFINITE_METRIC].update_state(ops.sum(nonfinite))
         if mask is not None:
             weights = weights * mask
+        with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
+            samples = float(n) if mask is None else ops.sum(mask)
+            self.step_samples.assign(ops.cast(samples, "float32"))
         clipped = [ops.tensordot(weights, g, axes=1) for g in grads]
         clipped = self._noised(clipped, step)
         clipped = [g / float(n) for g in clipped]
