@@ -261,6 +261,47 @@ def stop_cases(out, init, report):
             history, report[f"{name}_error"] = {}, str(error)
         report[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
         save_case(out, name, model, history)
+    # Under mixed precision with the loss scale at 1 (overflows count) and
+    # one execution per epoch: the stop at batch 2 changes nothing after it,
+    # not even the loss scale (batch 1's overflow halved it once).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        stopped = make_mlp(init)
+        stopped.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(LR), initial_scale=1.0
+            ),
+            loss="mse",
+            steps_per_execution=4,
+            gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
+        )
+        try:
+            fit(stopped, x, y)
+            report["stop_mixed_error"] = None
+        except RuntimeError as error:
+            report["stop_mixed_error"] = str(error)
+        report["stop_mixed_scale"] = float(stopped.optimizer.dynamic_scale.numpy())
+        report["stop_mixed_iterations"] = int(stopped.optimizer.iterations.numpy())
+        save_case(out, "stop_mixed", stopped, {})
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # train_on_batch checks too: batches 0 (clean), 1, 2 (nan), then 3 (clean).
+    stepped = make_mlp(init)
+    stepped.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss="mse",
+        gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
+    )
+    outcomes = []
+    for batch in range(4):
+        rows = slice(batch * BATCH, (batch + 1) * BATCH)
+        try:
+            stepped.train_on_batch(x[rows], y[rows])
+            outcomes.append("trained")
+        except RuntimeError as error:
+            outcomes.append(str(error)[:60])
+    report["stop_train_on_batch"] = outcomes
+    report["stop_train_on_batch_iterations"] = int(stepped.optimizer.iterations.numpy())
     # After a stop: clean data trains on; the nan batches stop it again.
     clean = np.nan_to_num(y)
     model.compile(

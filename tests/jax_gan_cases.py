@@ -127,6 +127,25 @@ def gan_cases(out, report):
     report["gan_default_noise_finite"] = all(np.all(np.isfinite(w)) for w in runs[0])
     report["gan_default_noise_losses"] = [float(v) for v in history["discriminator_loss"]]
 
+    # A noise hook drawing without a seed fails under jit (Keras's JAX RNG
+    # rule): fit raises and the weights stay in place.
+    class Unseeded(kt.GAN):
+        def sample_latent(self, batch_size):
+            return keras.random.normal((batch_size, self.latent_dim))
+
+    generator, critic = networks()
+    unseeded = Unseeded(generator, critic, latent_dim=2)
+    unseeded.compile(generator_optimizer="sgd", discriminator_optimizer="sgd")
+    before = [w.copy() for w in unseeded.get_weights()]
+    try:
+        fit_gan(unseeded, x)
+        report["gan_unseeded_error"] = None
+    except Exception as error:  # Keras's ValueError about seeded random ops
+        report["gan_unseeded_error"] = f"{type(error).__name__}: {error}"[:300]
+    report["gan_unseeded_weights_kept"] = all(
+        np.array_equal(a, b) for a, b in zip(before, unseeded.get_weights())
+    )
+
     # Refusals, each before anything is compiled or trained.
     class TapeHook(SeededGAN):
         def discriminator_train_step(self, real, step, labels=None):

@@ -354,6 +354,34 @@ def test_skip_non_finite_max_consecutive_stops_fit_as_on_tensorflow(runs):
     for name in ("stop", "stop_spe2"):
         stopped, _ = _jax(out, name)
         assert _max_diff(stopped, model.get_weights()) <= 1e-6, name
+    # train_on_batch raises at the second nan batch and trains on after it.
+    assert report["stop_train_on_batch"][:2] == ["trained", "trained"]
+    assert report["stop_train_on_batch"][2] == message[:60]
+    assert report["stop_train_on_batch"][3] == "trained"
+    assert report["stop_train_on_batch_iterations"] == 2
+    # Mixed precision, one execution of 4 steps: TensorFlow's assertion ends
+    # the execution at batch 2 (whose overflow still halves the scale, as
+    # batch 1's did: 1 -> 0.25); on JAX batch 3 then changes nothing, not
+    # even the loss scale.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        mixed = make_mlp(initial_weights())
+        mixed.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(LR), initial_scale=1.0
+            ),
+            loss="mse",
+            steps_per_execution=4,
+            gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
+        )
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            mixed.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert report["stop_mixed_error"].startswith(message)
+    assert report["stop_mixed_scale"] == float(mixed.optimizer.dynamic_scale.numpy()) == 0.25
+    assert report["stop_mixed_iterations"] == int(mixed.optimizer.iterations.numpy()) == 1
+    assert _max_diff(_jax(out, "stop_mixed")[0], mixed.get_weights()) <= 1e-3
     # The check can fail: a limit of 3 is never reached (4 clean steps in 2 epochs).
     assert report["no_stop_error"] is None and report["no_stop_iterations"] == 4
     # After a stop, clean data trains on (the count resets) and the nan
@@ -782,6 +810,8 @@ def test_gan_default_noise_and_refusals(runs):
     report = json.loads((out / "report.json").read_text())
     assert report["gan_default_noise_repeats"] and report["gan_default_noise_finite"]
     assert len(set(report["gan_default_noise_losses"])) == 2
+    assert report["gan_unseeded_error"] is not None  # unseeded keras.random under jit
+    assert report["gan_unseeded_weights_kept"]
     assert report["gan_hook_refusal"].startswith(
         "`discriminator_train_step` is a hook of the TensorFlow GAN step"
     )

@@ -312,6 +312,10 @@ class GAN(_Step, keras.Model):
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
+        return self._trackers() + self._carried_metrics()
+
+    def _trackers(self) -> list[keras.metrics.Metric]:
+        """The logged loss trackers."""
         trackers = [self._discriminator_tracker, self.generator_loss_tracker]
         if self.gradient_penalty is not None:
             trackers.append(self.gradient_penalty_tracker)

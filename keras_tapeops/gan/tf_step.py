@@ -43,6 +43,10 @@ class TensorFlowGANStep:
     def _gan_check(self, bound: Sequence[Any]) -> None:
         """Every option runs on TensorFlow (the JAX step refuses some here)."""
 
+    def _carried_metrics(self) -> list[Any]:
+        """No state rides in the metrics on TensorFlow (the JAX step's noise count does)."""
+        return []
+
     def _gan_compiled(self) -> None:
         """Nothing to prepare on TensorFlow (the JAX step sets its optimizer here)."""
 

@@ -54,10 +54,13 @@ class SkipNonFinite(GradientTransform):
             `BackupAndRestore`). On TensorFlow an assertion in the step
             raises `InvalidArgumentError`; it is not checked under XLA
             (`jit_compile=True`), which drops assertions. On JAX, where a
-            compiled step cannot raise, `fit` checks the count after each
-            execution of the step (every `steps_per_execution` batches) and
-            raises `RuntimeError` with the same message; the model keeps the
-            weights of the last step (the failing steps were skipped).
+            compiled step cannot raise, `fit` and `train_on_batch` check the
+            count after each execution of the step (every
+            `steps_per_execution` batches) and raise `RuntimeError` with the
+            same message; the steps after the one that reached the limit,
+            to the end of the execution, change nothing (loss scale
+            included), so the model keeps the weights of the last applied
+            step, as on TensorFlow.
         where: selector of the gradients checked (None: all).
         name: the logged metric's name.
 

@@ -16,8 +16,9 @@ variable to this step's value; the player's gradient transforms see true
 gradients (unscaled under mixed precision; the global batch's under
 `DataParallel`), then the player's optimizer's `stateless_apply`. Random
 draws (the latent noise, the penalty's interpolation weights) come from a
-key folded from the model's noise seed and the generator optimizer's step
-count, so a step's draws are a function of the step. The penalties' input
+key folded from the model's noise seed, a training/evaluation tag and a
+train-step counter the step carries with the metrics (not saved), so every
+step draws anew, also after a loss-scale overflow. The penalties' input
 gradients are `jax.grad` (`input_gradients`).
 """
 
@@ -36,6 +37,8 @@ import keras
 from keras import ops
 
 from keras_tapeops.backend.jax import loss as jax_loss
+from keras_tapeops.backend.jax.carried import CarriedState
+from keras_tapeops.backend.jax.mixin import _restoring_state_on_error
 from keras_tapeops.penalty_norm import per_sample_norm
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
@@ -100,6 +103,22 @@ class PlayerOptimizers:
             out.append(slice(start, start + len(optimizer.variables)))
             start += len(optimizer.variables)
         return out
+
+
+class _NoiseSteps(CarriedState):
+    """The GAN's train-step count, carried with the metrics (the noise keys fold it in)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="tapeops_gan_noise_steps")
+        self.count = self.add_variable((), "zeros", "float32", name="count")
+
+
+class _Noise:
+    """The GAN's noise seed and step counter (a plain holder: not saved, not a layer)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.steps = _NoiseSteps()
 
 
 class _StepNoise:
@@ -221,11 +240,6 @@ class _StepValues:
             + list(zip(model.non_trainable_variables, self.non_trainable))
             + list(zip(model.optimizer.variables, self.optimizer))
         )
-
-    def read(self, tensor_of: Callable[[], Any]) -> Any:
-        """`tensor_of()` evaluated with every variable at this step's value."""
-        with keras.StatelessScope(state_mapping=self.mapping(self.trainable)):
-            return ops.convert_to_tensor(tensor_of())
 
     def update(
         self,
@@ -354,16 +368,41 @@ class JaxGANStep:
             _refuse_stateful_transforms(pairs)
 
     def _gan_compiled(self) -> None:
-        """Sets `optimizer` to both players' (the state group Keras's JAX step carries)."""
+        """Sets `optimizer` to both players' (the state group Keras's JAX step carries).
+
+        Also draws the noise seed and creates the train-step counter the
+        noise keys fold in (carried with the metrics, not saved: a plain
+        holder keeps it out of the model's files).
+        """
         self.optimizer = PlayerOptimizers(
             (self.generator_optimizer, self._discriminator_optimizer),
             (self.generator, self._discriminator),
         )
         seed = keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator())
-        object.__setattr__(self, "_tapeops_noise_seed", int(seed))
+        object.__setattr__(self, "_tapeops_noise", _Noise(int(seed)))
 
-    def _noise_key(self, index: Any) -> Any:
-        key = jax.random.PRNGKey(getattr(self, "_tapeops_noise_seed", 0))
+    def _carried_metrics(self) -> list[Any]:
+        noise = getattr(self, "_tapeops_noise", None)
+        return [] if noise is None else [noise.steps]
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """Keras's, wrapped so a step that fails while traced leaves the weights in place."""
+        super().make_train_function(force)  # type: ignore[misc]
+        function = _restoring_state_on_error(self, getattr(self, "train_function"))
+        setattr(self, "train_function", function)
+        return function
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """Keras's, wrapped so a step that fails while traced leaves the weights in place."""
+        super().make_test_function(force)  # type: ignore[misc]
+        function = _restoring_state_on_error(self, getattr(self, "test_function"))
+        setattr(self, "test_function", function)
+        return function
+
+    def _noise_key(self, purpose: int, index: Any) -> Any:
+        """One step's key: the seed, then training (0) or evaluation (1), then `index`."""
+        key = jax.random.PRNGKey(self._tapeops_noise.seed)
+        key = jax.random.fold_in(key, purpose)
         return jax.random.fold_in(key, ops.cast(index, "uint32"))
 
     def train_step(self, state: Any, data: Nested) -> tuple[dict[str, Any], Any]:
@@ -372,10 +411,12 @@ class JaxGANStep:
         real, labels = self._unpack(data)
         n = _batch_size(real)
         values = _StepValues(self, trainable, non_trainable, optimizer_vars)
-        step = values.read(lambda: self.generator_optimizer.iterations)
+        steps = self._tapeops_noise.steps.count
+        with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_vars))):
+            step = ops.convert_to_tensor(steps)
         discriminator_bound = getattr(self, f"_bound_{self._role}_transforms")
         losses, penalties = [], []
-        with _step_noise(self, self._noise_key(step)):
+        with _step_noise(self, self._noise_key(0, step)):
             for index in range(self._discriminator_steps):
                 loss, penalty = values.update(
                     self._discriminator,
@@ -392,6 +433,7 @@ class JaxGANStep:
                 lambda: (self.generator_objective(real, True, labels), None),
             )
         with jax_loss.updating_metrics(self, metrics_vars) as metrics_vars:
+            steps.assign(step + 1.0)
             # One tracker update per batch, as on TensorFlow.
             self._discriminator_tracker.update_state(
                 _unless_empty(_mean(losses), n), sample_weight=n
@@ -403,7 +445,7 @@ class JaxGANStep:
             self.generator_loss_tracker.update_state(
                 _unless_empty(generator_loss, n), sample_weight=n
             )
-            logs = {m.name: m.result() for m in self.metrics}
+            logs = {m.name: m.result() for m in self._trackers()}
         new_state = (values.trainable, values.non_trainable, values.optimizer, metrics_vars)
         return logs, new_state
 
@@ -418,7 +460,7 @@ class JaxGANStep:
         with jax_loss.updating_metrics(self, metrics_vars, mapping) as metrics_vars:
             # Each evaluation batch draws its own noise (keyed by the samples seen so far).
             seen = ops.convert_to_tensor(self.generator_loss_tracker.count)
-            with _step_noise(self, self._noise_key(seen)):
+            with _step_noise(self, self._noise_key(1, seen)):
                 loss, penalty = self.discriminator_losses(real, 0, False, labels)
                 generator_loss = self.generator_objective(real, False, labels)
             self._discriminator_tracker.update_state(_unless_empty(loss, n), sample_weight=n)
@@ -429,7 +471,7 @@ class JaxGANStep:
             self.generator_loss_tracker.update_state(
                 _unless_empty(generator_loss, n), sample_weight=n
             )
-            logs = {m.name: m.result() for m in self.metrics}
+            logs = {m.name: m.result() for m in self._trackers()}
         return logs, (trainable, non_trainable, metrics_vars)
 
 

@@ -237,6 +237,19 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             )
         return super().fit(*args, **kwargs)
 
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Stock `train_on_batch()`; with `SkipNonFinite(max_consecutive=...)` it can raise.
+
+        As in `fit` (`backend/jax/stops.py`): the count is checked after the
+        step, and a count left at the limit by a stop is lowered first.
+        """
+        if not stops.stops_requested(self.tapeops_options):
+            return super().train_on_batch(*args, **kwargs)
+        stops.resume(self)
+        result = super().train_on_batch(*args, **kwargs)
+        stops.raise_if_stopped(self)
+        return result
+
     @property
     def tapeops_options(self) -> TapeOpsOptions | None:
         """The validated keras_tapeops options of the last `compile()` (or None)."""
@@ -515,12 +528,18 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         Returns `(trainable, optimizer_vars, metrics_vars, keep)`; `keep` is
         None without gates.
         """
-        grads, metrics_vars, keep = self._true_transformed(
+        grads, metrics_vars, keep, halt = self._true_transformed(
             list(grads), list(trainable), optimizer_vars, metrics_vars
         )
         new_trainable, new_optimizer_vars = self.optimizer.stateless_apply(
             optimizer_vars, grads, trainable
         )
+        if halt is not None:  # SkipNonFinite stopped training before: not even the scale moves
+            going = ops.logical_not(halt)
+            keep = going if keep is None else ops.logical_and(keep, going)
+            new_optimizer_vars = [
+                ops.where(halt, o, n) for n, o in zip(new_optimizer_vars, optimizer_vars)
+            ]
         if keep is not None and not isinstance(
             self.optimizer, keras.optimizers.LossScaleOptimizer
         ):  # a LossScaleOptimizer skips it itself (an overflow)
@@ -564,10 +583,12 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
     def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
         """Unscales (mixed precision), transforms, and rescales the gradients.
 
-        Returns `(grads, metrics_vars, keep)`: the transforms' metrics (a
-        `kt.LogGradientNorm`) and training state (carried as metric
+        Returns `(grads, metrics_vars, keep, halt)`: the transforms' metrics
+        (a `kt.LogGradientNorm`) and training state (carried as metric
         variables) are updated statelessly; `keep` is the AND of the gates'
-        decisions on the true gradients (None without gates).
+        decisions on the true gradients (None without gates); `halt` is True
+        once a `SkipNonFinite(max_consecutive)` stopped training (None
+        without one; `backend/jax/stops.py`).
 
         The LossScaleOptimizer divides by its scale again in `stateless_apply`
         and skips a non-finite step, as on TensorFlow; the scale is a power
@@ -581,6 +602,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             grads = [g if g is None else g / ops.cast(scale, g.dtype) for g in grads]
         optimizer_state = list(zip(self.optimizer.variables, optimizer_vars))
         with jax_loss.updating_metrics(self, metrics_vars, optimizer_state) as metrics_vars:
+            halt = stops.halted(self)  # the count before this step's gates
             keep = self._keep_step(grads, values)
             new_grads = self.transform_gradients(grads, values)
         if scale is not None:
@@ -593,7 +615,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 nan = float("nan")
                 new_grads = [g if g is None else ops.where(keep, g, nan) for g in new_grads]
             new_grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in new_grads]
-        return new_grads, metrics_vars, keep
+        return new_grads, metrics_vars, keep, halt
 
     def _keep_step(self, grads, values):
         """The AND of the bound gates' `keep_step` decisions, or None without gates."""
