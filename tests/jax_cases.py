@@ -36,8 +36,9 @@ import numpy as np  # noqa: E402
 import keras_tapeops as kt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jax_gan_cases import gan_cases
+from jax_gan_cases import gan_cases  # noqa: E402
 from jax_models import (  # noqa: E402
+    compile_mixed_stop,
     DP_CLIP,
     dp_cases,
     dp_mixed_optimizer,
@@ -266,15 +267,7 @@ def stop_cases(out, init, report):
     # not even the loss scale (batch 1's overflow halved it once).
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        stopped = make_mlp(init)
-        stopped.compile(
-            optimizer=keras.optimizers.LossScaleOptimizer(
-                keras.optimizers.SGD(LR), initial_scale=1.0
-            ),
-            loss="mse",
-            steps_per_execution=4,
-            gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
-        )
+        stopped = compile_mixed_stop(kt, make_mlp(init))
         try:
             fit(stopped, x, y)
             report["stop_mixed_error"] = None

@@ -14,7 +14,7 @@ from jax_gan_models import (
     GAN_BATCH,
     GAN_EPOCHS,
     SeededGAN,
-    conditional_gan,
+    compared_cases,
     fit_gan,
     hinge_gan,
     labels,
@@ -74,12 +74,7 @@ def hand_written_hinge_loop(x):
 def gan_cases(out, report):
     """kt.GAN and kt.WGANGP on JAX: against TensorFlow, the hand loop, two devices, files."""
     x, y = points(), labels()
-    for name, make, targets in [
-        ("gan_wgangp", wgangp, None),
-        ("gan_r1", r1_gan, None),
-        ("gan_conditional", conditional_gan, y),
-        ("gan_hinge", hinge_gan, None),
-    ]:
+    for name, make, targets in compared_cases(y):
         gan = make()
         _save(out, name, gan, fit_gan(gan, x, targets))
     report["gan_evaluate"] = gan.evaluate(x, batch_size=GAN_BATCH, verbose=0, return_dict=True)

@@ -126,6 +126,16 @@ def hinge_gan():
     return gan
 
 
+def compared_cases(y):
+    """`(name, build, targets)` of the GAN runs both backends make and compare."""
+    return [
+        ("gan_wgangp", wgangp, None),
+        ("gan_r1", r1_gan, None),
+        ("gan_conditional", conditional_gan, y),
+        ("gan_hinge", hinge_gan, None),
+    ]
+
+
 def fit_gan(gan, x, y=None, epochs=GAN_EPOCHS):
     return gan.fit(
         x, y, batch_size=GAN_BATCH, epochs=epochs, shuffle=False, verbose=0

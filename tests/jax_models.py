@@ -49,6 +49,18 @@ def two_nan_batches_data():
     return x, y
 
 
+def compile_mixed_stop(kt, model):
+    """`model` compiled to stop after 2 non-finite steps: loss scale 1 (overflows count),
+    one execution of 4 steps (an epoch); call under the mixed_float16 policy."""
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=1.0),
+        loss="mse",
+        steps_per_execution=4,
+        gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
+    )
+    return model
+
+
 def make_mlp(init=None, upgrade=True):
     """body1 -> body2 -> head; upgraded with kt.upgrade unless `upgrade=False`."""
     model = keras.Sequential(

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import keras_tapeops as kt
-from jax_gan_models import conditional_gan, fit_gan, hinge_gan, labels, points, r1_gan, wgangp
+from jax_gan_models import compared_cases, fit_gan, labels, points, r1_gan
 from jax_models import (
+    compile_mixed_stop,
     BATCH,
     DP_CLIP,
     dp_cases,
@@ -365,15 +366,7 @@ def test_skip_non_finite_max_consecutive_stops_fit_as_on_tensorflow(runs):
     # even the loss scale.
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        mixed = make_mlp(initial_weights())
-        mixed.compile(
-            optimizer=keras.optimizers.LossScaleOptimizer(
-                keras.optimizers.SGD(LR), initial_scale=1.0
-            ),
-            loss="mse",
-            steps_per_execution=4,
-            gradient_transforms=[kt.SkipNonFinite(max_consecutive=2)],
-        )
+        mixed = compile_mixed_stop(kt, make_mlp(initial_weights()))
         with pytest.raises(tf.errors.InvalidArgumentError, match=message):
             mixed.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     finally:
@@ -744,12 +737,7 @@ def tf_gans():
     """The TensorFlow runs of the GAN cases (same weights, batches and draws)."""
     x, y = points(), labels()
     runs = {}
-    for name, make, targets in [
-        ("gan_wgangp", wgangp, None),
-        ("gan_r1", r1_gan, None),
-        ("gan_conditional", conditional_gan, y),
-        ("gan_hinge", hinge_gan, None),
-    ]:
+    for name, make, targets in compared_cases(y):
         gan = make()
         history = fit_gan(gan, x, targets)
         runs[name] = (gan.get_weights(), history)

@@ -15,7 +15,8 @@ from typing import Callable
 from typing import Sequence
 
 import keras
-from keras import ops
+
+from keras_tapeops.split_sizes import static_batch_size
 
 
 def _on_jax() -> bool:
@@ -24,9 +25,8 @@ def _on_jax() -> bool:
 
 def batch_size(x: Any) -> Any:
     """The number of samples in `x` (first dimension of its first tensor)."""
-    if _on_jax():
-        first = next(t for t in keras.tree.flatten(x) if t is not None)
-        return ops.shape(first)[0]
+    if _on_jax():  # a JAX batch's size is static
+        return static_batch_size(x)
     from keras_tapeops import replicas
 
     return replicas.batch_size(x)

@@ -40,6 +40,7 @@ from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.carried import CarriedState
 from keras_tapeops.backend.jax.mixin import _restoring_state_on_error
 from keras_tapeops.penalty_norm import per_sample_norm
+from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
 from keras_tapeops.typing_aliases import Nested
@@ -282,11 +283,6 @@ class _StepValues:
         return loss, extra
 
 
-def _batch_size(x: Any) -> Any:
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return ops.shape(first)[0]
-
-
 def _positions(variables: Sequence[Any], subset: Sequence[Any]) -> list[int]:
     index = {id(v): i for i, v in enumerate(variables)}
     return [index[id(v)] for v in subset]
@@ -295,14 +291,6 @@ def _positions(variables: Sequence[Any], subset: Sequence[Any]) -> list[int]:
 def _current(scope: Any, variable: Any, old: Any) -> Any:
     value = scope.get_current_value(variable)
     return old if value is None else value
-
-
-def _loss_scale(optimizer: Any, optimizer_values: Sequence[Any]) -> Any:
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return None
-    mapping = list(zip(optimizer.variables, optimizer_values))
-    with keras.StatelessScope(state_mapping=mapping):
-        return ops.convert_to_tensor(optimizer.dynamic_scale)
 
 
 def _true_transformed(
@@ -320,7 +308,7 @@ def _true_transformed(
     """
     if not bound:
         return grads
-    scale = _loss_scale(optimizer, optimizer_values)
+    scale = jax_loss.loss_scale(optimizer, optimizer_values)
     true = grads if scale is None else [g / ops.cast(scale, g.dtype) for g in grads]
     new = apply_in_order(bound, true, values)
     if scale is None:
@@ -409,7 +397,7 @@ class JaxGANStep:
         """The stateless JAX step: `(logs, new_state)` for one batch."""
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         real, labels = self._unpack(data)
-        n = _batch_size(real)
+        n = static_batch_size(real)
         values = _StepValues(self, trainable, non_trainable, optimizer_vars)
         steps = self._tapeops_noise.steps.count
         with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_vars))):
@@ -453,7 +441,7 @@ class JaxGANStep:
         """The stateless JAX evaluation step (no update): `(logs, new_state)`."""
         trainable, non_trainable, metrics_vars = state
         real, labels = self._unpack(data)
-        n = _batch_size(real)
+        n = static_batch_size(real)
         mapping = list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )

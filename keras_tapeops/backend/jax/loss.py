@@ -257,3 +257,20 @@ def update_term_trackers(
         for tracker, value in zip(trackers, values):
             tracker.update_state(value, sample_weight=n)
     return new_values
+
+
+def loss_scale(optimizer: Any, optimizer_values: Sequence[Any]) -> Any:
+    """A LossScaleOptimizer's current scale in this step (None for another optimizer).
+
+    Args:
+        optimizer: the optimizer.
+        optimizer_values: its variables' values in this step, in order.
+
+    Returns:
+        A scalar tensor, or None.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    mapping = list(zip(optimizer.variables, optimizer_values))
+    with keras.StatelessScope(state_mapping=mapping):
+        return ops.convert_to_tensor(optimizer.dynamic_scale)

@@ -574,11 +574,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
 
     def _loss_scale(self, optimizer_vars):
         """The LossScaleOptimizer's current scale in this step (None without one)."""
-        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return None
-        mapping = list(zip(self.optimizer.variables, optimizer_vars))
-        with keras.StatelessScope(state_mapping=mapping):
-            return ops.convert_to_tensor(self.optimizer.dynamic_scale)
+        return jax_loss.loss_scale(self.optimizer, optimizer_vars)
 
     def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
         """Unscales (mixed precision), transforms, and rescales the gradients.
