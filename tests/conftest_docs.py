@@ -6,9 +6,11 @@ One extractor serves README.md, docs/*.md (tests/test_docs_blocks.py) and the
 options, so a page runs the same under that plugin and under the suite:
 
 - ```python (also `py`, `python3`): a test; it runs in a fresh namespace.
-- ```python continuation: runs after the blocks before it on the same page
-  (the chain is executed again, as pytest-markdown-docs does), so a page may
-  define its model and data once.
+- ```python continuation: runs after the blocks before it on the same page,
+  so a page may define its model and data once. On its own the chain is
+  executed again, as pytest-markdown-docs does; in a test session that has
+  just run the block before it (tests/test_docs_blocks.py), only the new
+  block runs, in that block's namespace and directory.
 - ```python notest: shown, not run; the page says why next to it.
 
 Blocks run with the current directory set to a fresh temporary directory, so
@@ -33,12 +35,16 @@ class Block:
 
     `code` is the block with the chain of `continuation` blocks before it,
     padded with blank lines so a traceback names the block's own line in
-    `origin` (a file path).
+    `origin` (a file path). `own_code` is the block alone, padded the same
+    way, and `after` the id of the block it continues (None if it starts a
+    chain): `code` equals running `after`'s `code`, then `own_code`.
     """
 
     origin: str
     line: int
     code: str
+    own_code: str = ""
+    after: str | None = None
 
     @property
     def id(self):
@@ -65,7 +71,7 @@ def python_blocks(text, origin, line_offset=0):
         origin: the file the text comes from, named in tracebacks.
         line_offset: the file line of `text`'s first line, minus one.
     """
-    blocks, skipped, previous = [], 0, ""
+    blocks, skipped, previous, previous_id = [], 0, "", None
     for info, start, code in fences(text):
         if not info or info[0] not in PYTHON_LANGUAGES:
             continue
@@ -74,12 +80,13 @@ def python_blocks(text, origin, line_offset=0):
             skipped += 1
             continue
         if "continuation" not in options:
-            previous = ""
+            previous, previous_id = "", None
         line = line_offset + start + 1  # the block's first code line, 1-based
         padding = "\n" * (line - 1 - previous.count("\n"))
         chained = previous + padding + code
-        blocks.append(Block(str(origin), line, chained))
-        previous = chained
+        block = Block(str(origin), line, chained, "\n" * (line - 1) + code, previous_id)
+        blocks.append(block)
+        previous, previous_id = chained, block.id
     return blocks, skipped
 
 

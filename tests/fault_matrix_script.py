@@ -1,6 +1,7 @@
-"""The crash-and-resume column of the fault matrix, run in fresh processes.
+"""The crash-and-resume column of the fault matrix; the resume runs in a fresh process.
 
-`python fault_matrix_script.py crash DIR`: for every case, trains 2 epochs
+`main("crash", DIR)` (the test calls it in its own process; also
+`python fault_matrix_script.py crash DIR`): for every case, trains 2 epochs
 with `BackupAndRestore(DIR/<case>)` and dies in the middle of epoch 2 (a
 callback raises after its first batch). `python fault_matrix_script.py
 resume DIR`: a new process builds each case again, trains 2 epochs with the

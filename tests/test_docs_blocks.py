@@ -7,6 +7,7 @@ tests/conftest_docs.py); the same pages also run under that plugin:
 `pytest --markdown-docs README.md docs`.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -24,9 +25,42 @@ for _page in PAGES:
     BLOCKS.extend(_blocks)
 
 
+# The namespace and directory of the last block run, by id, while the next
+# block of its chain may still come: a `continuation` block whose predecessor
+# just ran here runs alone in what that one left (its variables, the files it
+# wrote), instead of running the whole chain again. A block run on its own
+# (`pytest -k`, or the predecessor failed) runs its chain from the start, and
+# so does a chain that creates a strategy (it runs in its own process).
+_LAST_RUN = {}
+
+
+def run_continuing(block, directory, last_run):
+    """Runs `block`, continuing from its predecessor's run if `last_run` holds it.
+
+    Args:
+        block: the block to run.
+        directory: its working directory when it starts a run of its own.
+        last_run: {block id: (namespace, directory)} of the block run just
+            before; replaced by this block's.
+
+    Returns:
+        The namespace the block ran in.
+    """
+    before = last_run.pop(block.after, None) if block.after else None
+    last_run.clear()
+    if before is not None and "MirroredStrategy(" not in block.code:
+        namespace, directory = before
+        run_block(dataclasses.replace(block, code=block.own_code), directory, namespace)
+    else:
+        namespace = run_block(block, directory)
+    if namespace:  # a block run in its own process leaves nothing to continue
+        last_run[block.id] = (namespace, directory)
+    return namespace
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block_runs(block, tmp_path):
-    run_block(block, tmp_path)
+    run_continuing(block, tmp_path, _LAST_RUN)
 
 
 def quoted_originals(text):
@@ -104,6 +138,14 @@ def test_blocks_follow_pytest_markdown_docs_fence_options(tmp_path):
     assert "a" not in run_block(blocks[2], tmp_path)
     # Line numbers in tracebacks are the page's.
     assert blocks[1].code.splitlines()[8] == "b = a + 1"
+    assert blocks[1].own_code.splitlines()[8] == "b = a + 1"
+    # Right after its predecessor, a continuation runs alone in what that left.
+    last_run = {}
+    first = run_continuing(blocks[0], tmp_path, last_run)
+    first["a"] = 5  # shows that block 1 did not run block 0 again
+    assert run_continuing(blocks[1], tmp_path, last_run)["b"] == 6
+    assert run_continuing(blocks[1], tmp_path, {})["b"] == 2  # on its own: the chain
+    assert "a" not in run_continuing(blocks[2], tmp_path, last_run)
 
 
 def test_a_block_creating_a_strategy_runs_in_its_own_process(tmp_path):

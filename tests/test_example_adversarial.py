@@ -1,23 +1,14 @@
 """The issue 21 examples run to the end with `--quick` and write their PNGs (smoke tests)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from example_runner import run_example
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run_quick(name, tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--quick", "--out", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return run_example(name, tmp_path, "--quick", "--out", tmp_path)
 
 
 def test_adversarial_training_example(tmp_path):

@@ -1,23 +1,15 @@
 """examples/finetune_applications.py runs on CPU and prints what each phase changed."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from example_runner import run_example
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "finetune_applications.py"
 
 
 def run_script(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    # 20-40 s measured on 2 CPU cores shared with other jobs (load 5-7).
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return run_example(SCRIPT, tmp_path)
 
 
 def number(pattern, text):

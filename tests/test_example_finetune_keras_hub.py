@@ -1,10 +1,9 @@
 """examples/finetune_keras_hub.py: an upgraded keras-hub Task trains, saves and reloads."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from example_runner import run_example
 
 import pytest
 
@@ -14,14 +13,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "finetune_keras_h
 
 
 def run_script(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    # About 30-40 s on 2 shared CPU cores.
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return run_example(SCRIPT, tmp_path)
 
 
 def test_upgraded_keras_hub_task_trains_with_options_and_reloads(tmp_path):

@@ -1,32 +1,21 @@
 """examples/gradient_norms.py runs to the end, logs sensible values and writes a PNG."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from example_runner import run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gradient_norms.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run_example(tmp_path, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
 @pytest.fixture(scope="module")
 def output(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gradient_norms")
-    return folder, run_example(folder, "norms.png")
+    return folder, run_example(EXAMPLE, folder, "norms.png")
 
 
 def test_per_step_values_reproduce_the_logged_epoch_means(output):

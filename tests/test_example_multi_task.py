@@ -1,24 +1,18 @@
 """examples/multi_task.py --quick runs to the end, prints each method and writes the PNG."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from example_runner import run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_task.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_quick_run(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--quick", "--out", "mt.png"], cwd=tmp_path,
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout
+    out = run_example(EXAMPLE, tmp_path, "--quick", "--out", "mt.png")
+    text = out
     for method in ("sum", "PCGrad", "MGDA", "CAGrad c=0.4"):
         assert re.search(rf"^{re.escape(method)}\s+f=\(", text, re.M), method
     rows = {m: re.search(rf"^{m}\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s+(\S+)\s+([\d.]+)$",

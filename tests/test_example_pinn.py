@@ -1,14 +1,13 @@
 """examples/pinn_burgers.py: its Cole-Hopf reference is right, and `--quick` runs end to end."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from example_runner import run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pinn_burgers.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -63,15 +62,10 @@ def test_residual_function_is_burgers(example):
 
 
 def test_quick_run_prints_error_and_time_and_writes_the_png(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--quick", "--out", "burgers.png"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    error = float(re.search(r"relative L2 error: ([0-9.e+-]+)", out.stdout).group(1))
+    out = run_example(EXAMPLE, tmp_path, "--quick", "--out", "burgers.png")
+    error = float(re.search(r"relative L2 error: ([0-9.e+-]+)", out).group(1))
     assert 0 < error < 2.0
-    assert re.search(r"wall time: \d+ s \(CPU time \d+ s\)", out.stdout)
-    assert re.search(r"Adam, 50 steps in fit: \{'loss': .*'pde': .*'walls': ", out.stdout)
+    assert re.search(r"wall time: \d+ s \(CPU time \d+ s\)", out)
+    assert re.search(r"Adam, 50 steps in fit: \{'loss': .*'pde': .*'walls': ", out)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "burgers.png").stat().st_size > 10_000

@@ -1,25 +1,19 @@
 """examples/private_training.py --quick runs, spends at most each target epsilon, writes a PNG."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from example_runner import run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "private_training.py"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_quick_run(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--quick", "--out", "acc.png"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = re.findall(r"^\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
-    assert [r[0] for r in rows] == ["1", "3", "8", "none"], out.stdout
+    out = run_example(EXAMPLE, tmp_path, "--quick", "--out", "acc.png")
+    rows = re.findall(r"^\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "3", "8", "none"], out
     for target, sigma, spent, accuracy, seconds in rows[:3]:
         assert 0 < float(spent) <= float(target)  # the budget is kept
         assert float(sigma) > 0 and 0 <= float(accuracy) <= 1 and float(seconds) > 0

@@ -1,26 +1,11 @@
 """Every example script runs to the end and prints what it promises (smoke tests)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from example_runner import run_example
 from keras_tapeops import _compat
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def run_example(name, tmp_path, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
 
 
 def test_quickstart_trains_like_stock_and_restores_options(tmp_path):
