@@ -62,6 +62,7 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops import accumulation  # noqa: E402,F401  (kt.accumulation.micro_batch_sizes; not in __all__)
     from keras_tapeops import attacks  # noqa: E402  (kt.attacks.FGSM, kt.attacks.PGD, ...)
     from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
+    from keras_tapeops import meta  # noqa: E402  (kt.meta.InnerSGD)
     from keras_tapeops.meta import MetaLearner  # noqa: E402
     from keras_tapeops.penalty import gradient_penalty  # noqa: E402
     from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
@@ -136,6 +137,7 @@ __all__ = [
     "attribution",
     # Meta-learning: MAML, first-order MAML, Reptile, ANIL, Meta-SGD.
     "MetaLearner",
+    "meta",
     # Physics-informed training: input derivatives, residual and condition terms.
     "input_derivatives",
     "PDEResidual",

@@ -18,10 +18,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-# Under `pytest -n 2` (make test) each worker gets one of the two cores: one
-# intra-op thread per worker instead of two that contend (about 15% faster
-# on the small models here). Results do not depend on it: every test compares
-# runs made in its own process.
+# Under pytest-xdist (make test: three workers on two cores) each worker runs
+# one intra-op thread instead of one per core, all contending (about 15%
+# faster on the small models here). Results do not depend on it: every test
+# compares runs made in its own process.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     tf.config.threading.set_intra_op_parallelism_threads(1)
 
