@@ -497,6 +497,15 @@ def main():
         gradient_transforms=transforms(kt),
     )
     save_case(out, "clip_spe2", model, fit(model, x, y))
+    # A static loss_scale_factor: the transforms see the unscaled gradients
+    # (the optimizer divides the factor out again), as on TensorFlow.
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR, loss_scale_factor=8.0),
+        loss="mse",
+        gradient_transforms=transforms(kt),
+    )
+    save_case(out, "clip_static_scale", model, fit(model, x, y))
     save_case(out, "clip_hand", hand_written_clip_loop(init, x, y), {})
 
     # A mixed-precision run: the transforms see unscaled gradients.

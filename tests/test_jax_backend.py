@@ -313,6 +313,16 @@ def test_eager_and_steps_per_execution_equal_the_jitted_step(runs):
     assert _max_diff(_jax(out, "clip_spe2")[0], clipped) <= 1e-6
 
 
+def test_static_loss_scale_factor_is_divided_out_before_the_transforms(runs):
+    # SGD(loss_scale_factor=8): Keras multiplies the loss by 8 and the optimizer
+    # divides the gradients by 8; the clip thresholds act on true gradients.
+    out, _ = runs
+    clipped, history = _jax(out, "clip")
+    scaled, scaled_history = _jax(out, "clip_static_scale")
+    assert _max_diff(scaled, clipped) <= 1e-6
+    np.testing.assert_allclose(scaled_history["loss"], history["loss"], rtol=1e-6)
+
+
 def test_subclassed_model_and_transform_gradients_override(runs):
     out, _ = runs
     clipped, _ = _jax(out, "clip")

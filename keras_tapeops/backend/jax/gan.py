@@ -302,9 +302,10 @@ def _true_transformed(
 ) -> list[Any]:
     """The player's transforms on its true gradients (see `TapeOpsMixin`'s JAX step).
 
-    Under a LossScaleOptimizer: unscaled, transformed, scaled again (exact:
-    the scale is a power of two); a non-finite step reaches the optimizer
-    untransformed, so it is skipped as an overflow, as on TensorFlow.
+    Under a LossScaleOptimizer (or a static `loss_scale_factor`): unscaled,
+    transformed, scaled again (exact for a power of two); under a
+    LossScaleOptimizer a non-finite step reaches it untransformed, so it is
+    skipped as an overflow, as on TensorFlow.
     """
     if not bound:
         return grads
@@ -313,8 +314,10 @@ def _true_transformed(
     new = apply_in_order(bound, true, values)
     if scale is None:
         return new
-    finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in true]))
-    return [ops.where(finite, n, t) * ops.cast(scale, t.dtype) for n, t in zip(new, true)]
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in true]))
+        new = [ops.where(finite, n, t) for n, t in zip(new, true)]
+    return [n * ops.cast(scale, t.dtype) for n, t in zip(new, true)]
 
 
 def _unless_empty(value: Any, n: Any) -> Any:

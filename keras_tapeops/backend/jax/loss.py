@@ -260,7 +260,12 @@ def update_term_trackers(
 
 
 def loss_scale(optimizer: Any, optimizer_values: Sequence[Any]) -> Any:
-    """A LossScaleOptimizer's current scale in this step (None for another optimizer).
+    """The factor the loss was multiplied by in this step, or None.
+
+    A LossScaleOptimizer's current dynamic scale, or another optimizer's
+    static `loss_scale_factor` (its `scale_loss` multiplies the loss by it and
+    its `apply` divides the gradients by it), as `true_gradients.loss_scale`
+    on TensorFlow.
 
     Args:
         optimizer: the optimizer.
@@ -270,7 +275,8 @@ def loss_scale(optimizer: Any, optimizer_values: Sequence[Any]) -> Any:
         A scalar tensor, or None.
     """
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return None
+        factor = getattr(optimizer, "loss_scale_factor", None)
+        return None if factor is None else ops.convert_to_tensor(factor, "float32")
     mapping = list(zip(optimizer.variables, optimizer_values))
     with keras.StatelessScope(state_mapping=mapping):
         return ops.convert_to_tensor(optimizer.dynamic_scale)

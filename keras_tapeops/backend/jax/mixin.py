@@ -577,7 +577,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         return jax_loss.loss_scale(self.optimizer, optimizer_vars)
 
     def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
-        """Unscales (mixed precision), transforms, and rescales the gradients.
+        """Unscales (mixed precision, a static `loss_scale_factor`), transforms, rescales.
 
         Returns `(grads, metrics_vars, keep, halt)`: the transforms' metrics
         (a `kt.LogGradientNorm`) and training state (carried as metric
@@ -601,7 +601,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             halt = stops.halted(self)  # the count before this step's gates
             keep = self._keep_step(grads, values)
             new_grads = self.transform_gradients(grads, values)
-        if scale is not None:
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads if g is not None]))
             new_grads = [
                 new if new is None or old is None else ops.where(finite, new, old)
@@ -610,6 +610,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             if keep is not None:  # the LossScaleOptimizer skips it as an overflow
                 nan = float("nan")
                 new_grads = [g if g is None else ops.where(keep, g, nan) for g in new_grads]
+        if scale is not None:
             new_grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in new_grads]
         return new_grads, metrics_vars, keep, halt
 
