@@ -357,6 +357,14 @@ def privacy_cases(out, init, x, y, report):
     for name in ("dp_noise", "dp_noise_again"):
         model = compiled(make_mlp(init), differential_privacy=seeded)
         save_case(out, name, model, fit(model, x, y))
+    # A static loss_scale_factor: each example's gradient is clipped unscaled.
+    model = make_mlp(init)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR, loss_scale_factor=8.0),
+        loss="mse",
+        differential_privacy=seeded,
+    )
+    save_case(out, "dp_noise_static_scale", model, fit(model, x, y))
     devices = jax.devices()
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     try:

@@ -695,6 +695,8 @@ def test_dp_sgd_noise_is_seeded_and_has_the_promised_scale(runs):
     out, _ = runs
     noisy, _ = _jax(out, "dp_noise")
     assert _max_diff(noisy, _jax(out, "dp_noise_again")[0]) == 0.0
+    # SGD(loss_scale_factor=8): the clip and the noise act on true gradients.
+    assert _max_diff(noisy, _jax(out, "dp_noise_static_scale")[0]) <= 1e-6
     assert _max_diff(noisy, _jax(out, "dp")[0]) > 1e-2  # the noise is there
     stats = json.loads((out / "report.json").read_text())["dp_noise"]
     stddev = DP_CLIP * 2.0
