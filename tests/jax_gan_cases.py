@@ -96,6 +96,18 @@ def gan_cases(out, report):
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
+    # A static loss_scale_factor on the clipped generator's SGD: its
+    # ClipByNorm acts on true gradients, so the run equals the one without.
+    for name, factor in [("gan_clip_sgd", None), ("gan_clip_sgd_static_scale", 8.0)]:
+        generator, critic = networks(seed=4)
+        gan = SeededGAN(generator, critic, latent_dim=2, loss="non_saturating")
+        gan.compile(
+            generator_optimizer=keras.optimizers.SGD(0.05, loss_scale_factor=factor),
+            discriminator_optimizer=keras.optimizers.SGD(0.05),
+            generator_gradient_transforms=[kt.ClipByNorm(0.05)],
+        )
+        _save(out, name, gan, fit_gan(gan, x))
+
     # Saving: one epoch, save, load, one more epoch (Adam's state included).
     gan = r1_gan()
     fit_gan(gan, x, epochs=1)

@@ -799,6 +799,14 @@ def test_gan_on_two_devices_and_in_mixed_precision(runs):
     assert report["gan_evaluate"].keys() == {"discriminator_loss", "generator_loss"}
 
 
+def test_gan_player_static_loss_scale_factor_is_divided_out(runs):
+    # SGD(loss_scale_factor=8) for the clipped generator: ClipByNorm acts on
+    # its true gradients, so the run equals the one without the factor.
+    out, _ = runs
+    plain = _gan_weights(out, "gan_clip_sgd")
+    assert _max_diff(_gan_weights(out, "gan_clip_sgd_static_scale"), plain) <= 1e-6
+
+
 def test_gan_files_cross_backends(runs, tf_gans, tmp_path):
     # One epoch, save, load, one more: equal to two epochs uninterrupted,
     # whichever backend saved and whichever continued (Adam state included).
