@@ -98,13 +98,18 @@ def load_docs_module(name):
     return module
 
 
+def needs_own_process(block):
+    """True for a block whose code (chain included) creates a MirroredStrategy."""
+    return "MirroredStrategy(" in block.code
+
+
 def run_block(block, directory, namespace=None):
     """Executes `block` as a script whose current directory is `directory`.
 
     Returns its namespace: `namespace` (a block run before it, e.g. a setup)
     or a fresh one.
     """
-    if "MirroredStrategy(" in block.code and namespace is None:
+    if needs_own_process(block) and namespace is None:
         return _run_in_new_process(block, directory)
     if namespace is None:
         namespace = {"__name__": "__main__", "__file__": block.origin}

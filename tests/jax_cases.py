@@ -76,9 +76,12 @@ def save_case(out, name, model, history):
     np.savez(out / f"{name}.npz", **arrays)
 
 
-def compiled(model, jit_compile=True, **options):
+def compiled(model, jit_compile=True, optimizer=None, **options):
     model.compile(
-        optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=jit_compile, **options
+        optimizer=optimizer or keras.optimizers.SGD(LR),
+        loss="mse",
+        jit_compile=jit_compile,
+        **options,
     )
     return model
 
@@ -358,10 +361,9 @@ def privacy_cases(out, init, x, y, report):
         model = compiled(make_mlp(init), differential_privacy=seeded)
         save_case(out, name, model, fit(model, x, y))
     # A static loss_scale_factor: each example's gradient is clipped unscaled.
-    model = make_mlp(init)
-    model.compile(
+    model = compiled(
+        make_mlp(init),
         optimizer=keras.optimizers.SGD(LR, loss_scale_factor=8.0),
-        loss="mse",
         differential_privacy=seeded,
     )
     save_case(out, "dp_noise_static_scale", model, fit(model, x, y))
@@ -507,10 +509,9 @@ def main():
     save_case(out, "clip_spe2", model, fit(model, x, y))
     # A static loss_scale_factor: the transforms see the unscaled gradients
     # (the optimizer divides the factor out again), as on TensorFlow.
-    model = make_mlp(init)
-    model.compile(
+    model = compiled(
+        make_mlp(init),
         optimizer=keras.optimizers.SGD(LR, loss_scale_factor=8.0),
-        loss="mse",
         gradient_transforms=transforms(kt),
     )
     save_case(out, "clip_static_scale", model, fit(model, x, y))

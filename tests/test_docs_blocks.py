@@ -14,6 +14,7 @@ import pytest
 
 from conftest_docs import documentation_pages
 from conftest_docs import fences
+from conftest_docs import needs_own_process
 from conftest_docs import python_blocks
 from conftest_docs import run_block
 
@@ -48,7 +49,7 @@ def run_continuing(block, directory, last_run):
     """
     before = last_run.pop(block.after, None) if block.after else None
     last_run.clear()
-    if before is not None and "MirroredStrategy(" not in block.code:
+    if before is not None and not needs_own_process(block):
         namespace, directory = before
         run_block(dataclasses.replace(block, code=block.own_code), directory, namespace)
     else:

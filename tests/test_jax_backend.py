@@ -254,6 +254,14 @@ def _max_diff(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
 
+def _equal_jax_runs(out, name, reference):
+    """The JAX runs `name` and `reference`: weights within 1e-6, History loss rtol 1e-6."""
+    weights, history = _jax(out, name)
+    expected, expected_history = _jax(out, reference)
+    assert _max_diff(weights, expected) <= 1e-6, name
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-6)
+
+
 def _equals_tensorflow(out, tf_runs, name):
     """The JAX run `name` against TensorFlow's: weights within 1e-5, the same
     History keys, each entry within rtol 1e-5. Returns the JAX `(weights, history)`."""
@@ -277,10 +285,7 @@ def test_jax_path_runs_without_tensorflow_on_two_devices(runs):
 
 def test_no_options_equals_stock_jax_fit_weights_and_history(runs):
     out, _ = runs
-    stock, stock_history = _jax(out, "stock")
-    plain, plain_history = _jax(out, "no_options")
-    assert _max_diff(stock, plain) <= 1e-6
-    np.testing.assert_allclose(plain_history["loss"], stock_history["loss"], rtol=1e-6)
+    _equal_jax_runs(out, "no_options", "stock")
 
 
 def test_three_clip_groups_equal_the_hand_written_jax_loop(runs):
@@ -317,10 +322,7 @@ def test_static_loss_scale_factor_is_divided_out_before_the_transforms(runs):
     # SGD(loss_scale_factor=8): Keras multiplies the loss by 8 and the optimizer
     # divides the gradients by 8; the clip thresholds act on true gradients.
     out, _ = runs
-    clipped, history = _jax(out, "clip")
-    scaled, scaled_history = _jax(out, "clip_static_scale")
-    assert _max_diff(scaled, clipped) <= 1e-6
-    np.testing.assert_allclose(scaled_history["loss"], history["loss"], rtol=1e-6)
+    _equal_jax_runs(out, "clip_static_scale", "clip")
 
 
 def test_subclassed_model_and_transform_gradients_override(runs):

@@ -573,7 +573,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         return metrics_vars
 
     def _loss_scale(self, optimizer_vars):
-        """The LossScaleOptimizer's current scale in this step (None without one)."""
+        """The factor the loss was multiplied by in this step (`jax_loss.loss_scale`), or None."""
         return jax_loss.loss_scale(self.optimizer, optimizer_vars)
 
     def _true_transformed(self, grads, values, optimizer_vars, metrics_vars):
