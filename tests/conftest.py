@@ -13,17 +13,22 @@ XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 if XLA_TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 
+# Under pytest-xdist (make test: three workers on two cores) each worker, and
+# every process it starts (the JAX cases, multi-worker jobs, fresh-process
+# reloads), runs one intra-op and one inter-op TensorFlow thread instead of
+# one per core each: the other workers keep the cores busy, and the threads
+# only contend (six fit-test files with three workers: 154 s wall and 273 s
+# user CPU with TensorFlow's defaults, 144 s and 254 s with one thread each;
+# the multi-worker file alone 129 s and 120 s). Results do not depend on it:
+# every test compares runs made in its own process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-# Under pytest-xdist (make test: three workers on two cores) each worker runs
-# one intra-op thread instead of one per core, all contending (about 15%
-# faster on the small models here). Results do not depend on it: every test
-# compares runs made in its own process.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    tf.config.threading.set_intra_op_parallelism_threads(1)
 
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
