@@ -51,6 +51,7 @@ from jax_models import (  # noqa: E402
     grouped_optimizers,
     logged_transforms,
     loss_terms,
+    micro_batch_terms,
     make_batch_norm,
     make_mlp,
     make_regularized,
@@ -360,6 +361,27 @@ def privacy_cases(out, init, x, y, report):
     for name in ("dp_noise", "dp_noise_again"):
         model = compiled(make_mlp(init), differential_privacy=seeded)
         save_case(out, name, model, fit(model, x, y))
+    # micro_batches=3 (5, 5, 6 of 16): the same clipped sum, noise and zeroing.
+    model = compiled(make_mlp(init), **dp_cases(kt)["dp"], micro_batches=3)
+    save_case(out, "dp_micro3", model, fit(model, x, y, **validation))
+    model = compiled(make_mlp(init), differential_privacy=seeded, micro_batches=3)
+    save_case(out, "dp_noise_micro3", model, fit(model, x, y))
+    model = compiled(make_mlp(init), **dp_cases(kt)["dp"], micro_batches=3)
+    save_case(out, "dp_nan_micro3", model, fit(model, *nan_data()))
+    # accumulation_steps: batches of 8 in windows of 2 make the steps of
+    # batches of 16, with the same noise; windows of 3 (the epoch's fourth
+    # batch flushed alone) with a regularizer.
+    for name, privacy in [("dp_accum2_b8", dp_cases(kt)["dp"]["differential_privacy"]),
+                          ("dp_noise_accum2_b8", seeded)]:
+        model = compiled(make_mlp(init), differential_privacy=privacy, accumulation_steps=2)
+        history = model.fit(x, y, batch_size=BATCH // 2, epochs=EPOCHS, shuffle=False, verbose=0)
+        save_case(out, name, model, history.history)
+    model = compiled(
+        make_regularized(init, activity=False),
+        differential_privacy=kt.DPSGD(DP_CLIP, 0.0),
+        accumulation_steps=3,
+    )
+    save_case(out, "dp_accum3_regularized", model, fit(model, x, y, **validation))
     # A static loss_scale_factor: each example's gradient is clipped unscaled.
     model = compiled(
         make_mlp(init),
@@ -401,8 +423,6 @@ def privacy_cases(out, init, x, y, report):
 
     refusals, kept = {}, {}
     for name, make, options, fit_kwargs in [
-        ("micro_batches", make_mlp, {"micro_batches": 2}, None),
-        ("accumulation_steps", make_mlp, {"accumulation_steps": 2}, None),
         ("loss_terms", make_mlp, {"loss_terms": loss_terms(kt)[:1]}, None),
         ("sum_loss", make_mlp, {"loss": keras.losses.MeanSquaredError(reduction="sum")}, None),
         ("batch_norm", make_batch_norm, {}, None),
@@ -619,9 +639,26 @@ def main():
     model = compiled(make_mlp(init), loss_terms=penalty_terms(kt))
     save_case(out, "penalties", model, fit(model, x, y, validation_data=(x[:32], y[:32])))
 
+    # Loss terms inside the micro-batch scan (an uneven split: 5, 5, 6), each
+    # on its micro-batch; on two devices; the compute_terms hook; the same
+    # terms on whole batches (differs: the check can fail).
+    for name, options in [
+        ("terms_micro3", {"micro_batches": 3}),
+        ("terms_micro3_whole", {}),
+    ]:
+        model = compiled(make_mlp(init), loss_terms=micro_batch_terms(kt), **options)
+        save_case(out, name, model, fit(model, x, y, validation_data=(x[:32], y[:32])))
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        model = compiled(make_mlp(init), loss_terms=micro_batch_terms(kt), micro_batches=3)
+        save_case(out, "terms_micro3_data_parallel", model, fit(model, x, y))
+    finally:
+        keras.distribution.set_distribution(None)
+    model = compiled(with_extra_term(kt, init), loss_terms=loss_terms(kt)[:1], micro_batches=2)
+    save_case(out, "extra_term_micro2", model, fit(model, x, y))
+
     scheduled = kt.ActivationPenalty("body1", l2=0.1, weight=lambda step: 0.1)
     for name, options in [
-        ("terms_micro", {"loss_terms": loss_terms(kt)[:1], "micro_batches": 2}),
         ("scheduled_validation", {"loss_terms": [scheduled]}),
     ]:
         try:

@@ -236,6 +236,20 @@ def penalty_terms(kt):
     ] + loss_terms(kt)[:2]
 
 
+@keras.saving.register_keras_serializable(package="jax_models")
+def squared_batch_mean(model, x, y, y_pred):
+    """A LossTerm that is not a mean over samples: the square of the batch's mean."""
+    return keras.ops.square(keras.ops.mean(y_pred))
+
+
+def micro_batch_terms(kt):
+    """The input-gradient terms, layer outputs, and a term that is not a per-sample
+    mean: computed per micro-batch, it differs from the whole batch's value."""
+    return penalty_terms(kt) + [
+        kt.LossTerm(squared_batch_mean, weight=2.0, name="batch_mean_square")
+    ]
+
+
 #: DP-SGD's clipping bound in the cross-backend cases (the per-example
 #: gradients of `data()` are larger: every example is clipped).
 DP_CLIP = 0.5

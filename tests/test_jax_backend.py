@@ -36,6 +36,7 @@ from jax_models import (
     initial_weights,
     logged_transforms,
     loss_terms,
+    micro_batch_terms,
     make_batch_norm,
     make_mlp,
     make_regularized,
@@ -125,6 +126,17 @@ def _tf_runs(init, x, y):
             make_mlp, init, x, y, True, gradient_transforms=logged_transforms(kt)
         ),
         "penalties": _tf_case(make_mlp, init, x, y, True, loss_terms=penalty_terms(kt)),
+        "terms_micro3": _tf_case(
+            make_mlp, init, x, y, True, loss_terms=micro_batch_terms(kt), micro_batches=3
+        ),
+        "extra_term_micro2": _tf_case(
+            lambda i: with_extra_term(kt, i),
+            init,
+            x,
+            y,
+            loss_terms=loss_terms(kt)[:1],
+            micro_batches=2,
+        ),
         "extra_term": _tf_case(
             lambda i: with_extra_term(kt, i), init, x, y, loss_terms=loss_terms(kt)[:1]
         ),
@@ -170,6 +182,10 @@ def _tf_runs(init, x, y):
         runs[name] = _tf_case(make_mlp, init, x, y, True, **options)
     dp = dp_cases(kt)["dp"]
     runs["dp_nan"] = _tf_case(make_mlp, init, nan_x, nan_y, **dp)
+    runs["dp_micro3"] = _tf_case(make_mlp, init, x, y, True, **dp, micro_batches=3)
+    runs["dp_accum3_regularized"] = _tf_case(
+        lambda w: make_regularized(w, activity=False), init, x, y, True, **dp, accumulation_steps=3
+    )
     runs["dp_regularized"] = _tf_case(
         lambda w: make_regularized(w, activity=False), init, x, y, **dp
     )
@@ -561,6 +577,18 @@ def test_input_gradient_terms_equal_tensorflow(runs):
     assert {"gradient_penalty", "val_gradient_penalty", "input_gradient_square"} <= set(history)
 
 
+def test_loss_terms_in_micro_batches_equal_tensorflow(runs):
+    # Each term on its micro-batch, weighted by its size (5, 5, 6 of 16), as
+    # on TensorFlow: input gradients, layer outputs, the compute_terms hook.
+    out, tf_runs = runs
+    weights, history = _equals_tensorflow(out, tf_runs, "terms_micro3")
+    assert {"gradient_penalty", "batch_mean_square", "val_batch_mean_square"} <= set(history)
+    assert _max_diff(_jax(out, "terms_micro3_data_parallel")[0], weights) <= 1e-5
+    _equals_tensorflow(out, tf_runs, "extra_term_micro2")
+    # The same terms on whole batches give another result: the check can fail.
+    assert _max_diff(_jax(out, "terms_micro3_whole")[0], weights) > 1e-4
+
+
 def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
     out, _ = runs
     loaded = keras.saving.load_model(out / "terms_from_jax.keras")
@@ -570,7 +598,6 @@ def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("terms_micro", "`loss_terms` with micro_batches=2 is not available on the JAX backend"),
         (
             "scheduled_validation",
             "`loss_terms` with a scheduled weight and in_validation=True "
@@ -686,6 +713,35 @@ def test_dp_sgd_zeroes_a_nan_example_like_tensorflow(runs):
     assert history["dp_nonfinite_examples"].tolist() == [1.0, 1.0]
 
 
+def test_dp_sgd_in_micro_batches_equals_the_whole_batch_and_tensorflow(runs):
+    # The per-example gradients of 5, 5 and 6 examples at a time: the same
+    # clipped sum, seeded noise and zeroed NaN example as in one pass, and
+    # TensorFlow's micro-batched DP-SGD (History with validation too).
+    out, tf_runs = runs
+    weights, _ = _equals_tensorflow(out, tf_runs, "dp_micro3")
+    assert _max_diff(weights, _jax(out, "dp")[0]) <= 1e-6
+    noisy, _ = _jax(out, "dp_noise_micro3")
+    assert _max_diff(noisy, _jax(out, "dp_noise")[0]) <= 1e-6
+    nan_weights, nan_history = _jax(out, "dp_nan_micro3")
+    assert _max_diff(nan_weights, _jax(out, "dp_nan")[0]) <= 1e-6
+    assert nan_history["dp_nonfinite_examples"].tolist() == [1.0, 1.0]
+    np.testing.assert_allclose(nan_history["loss"], _jax(out, "dp_nan")[1]["loss"], rtol=1e-6)
+
+
+def test_dp_sgd_accumulation_noises_once_per_applied_step(runs):
+    # Windows of 2 batches of 8 are the steps of batches of 16: the same
+    # clipped sum, and the same noise, drawn once per applied step and
+    # divided by the window's samples. Windows of 3 (the epoch's last batch
+    # flushed alone) with a regularizer equal TensorFlow's.
+    out, tf_runs = runs
+    assert _max_diff(_jax(out, "dp_accum2_b8")[0], _jax(out, "dp")[0]) <= 1e-6
+    noisy, _ = _jax(out, "dp_noise_accum2_b8")
+    assert _max_diff(noisy, _jax(out, "dp_noise")[0]) <= 1e-6
+    assert _max_diff(noisy, _jax(out, "dp_accum2_b8")[0]) > 1e-2  # the noise is there
+    weights, _ = _equals_tensorflow(out, tf_runs, "dp_accum3_regularized")
+    assert _max_diff(weights, tf_runs["dp_regularized"][0]) > 1e-4  # windows change the steps
+
+
 def test_dp_sgd_on_two_devices_equals_one_device_with_and_without_noise(runs):
     out, _ = runs
     for one, two in [("dp", "dp_data_parallel"), ("dp_noise", "dp_noise_data_parallel")]:
@@ -709,11 +765,6 @@ def test_dp_sgd_noise_is_seeded_and_has_the_promised_scale(runs):
 @pytest.mark.parametrize(
     "case, message",
     [
-        (
-            "micro_batches",
-            "`differential_privacy` with micro_batches=2 is not available on the JAX",
-        ),
-        ("accumulation_steps", "with accumulation_steps=2 is not available on the JAX"),
         ("loss_terms", "DPSGD cannot be combined with `loss_terms`"),
         ("sum_loss", "DPSGD needs mean-reduced losses"),
         ("batch_norm", "DPSGD cannot train layers that mix the examples of a batch"),

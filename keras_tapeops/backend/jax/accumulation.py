@@ -44,9 +44,11 @@ from keras_tapeops.accumulation.reduction_kinds import named_losses
 from keras_tapeops.accumulation.reduction_kinds import refuse_mixed_window
 from keras_tapeops.backend.jax.carried import CarriedState
 
-#: `apply(grads, trainable, optimizer_vars, metrics_vars) -> (trainable,
-#: optimizer_vars, metrics_vars)`: the step's transforms and optimizer.
-ApplyFunction = Callable[[list[Any], list[Any], list[Any], list[Any]], tuple[Any, Any, Any]]
+#: `apply(grads, trainable, optimizer_vars, metrics_vars, samples) ->
+#: (trainable, optimizer_vars, metrics_vars)`: the step's transforms and
+#: optimizer; `samples` is the window's sample count (DP-SGD's noise is
+#: divided by it).
+ApplyFunction = Callable[[list[Any], list[Any], list[Any], list[Any], Any], tuple[Any, Any, Any]]
 
 
 def window_kind(loss: Any) -> str:
@@ -184,7 +186,7 @@ class AccumulationWindow(CarriedState):
         def apply(operands):
             trainable, optimizer_vars, metrics_vars = operands
             window = self._window_gradients(sums, normalizer, present)
-            return self._apply(window, trainable, optimizer_vars, metrics_vars)
+            return self._apply(window, trainable, optimizer_vars, metrics_vars, samples)
 
         trainable, optimizer_vars, metrics_vars = jax.lax.cond(
             full & (samples > 0),
@@ -233,6 +235,7 @@ class AccumulationWindow(CarriedState):
             [v.value for v in model.trainable_variables],
             [v.value for v in model.optimizer.variables],
             [v.value for v in model.metrics_variables],
+            self.samples.value,
         )
         for group, values in [
             (model.trainable_variables, trainable),

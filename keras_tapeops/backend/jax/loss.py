@@ -25,6 +25,8 @@ from keras import ops
 
 from keras_tapeops import capture
 from keras_tapeops._keras import jax_trainer
+from keras_tapeops.backend.jax.micro_batches import micro_batch_forward
+from keras_tapeops.backend.jax.micro_batches import micro_batch_scan
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
@@ -47,14 +49,22 @@ def loss_function(
     forward: Callable[..., Any],
     terms: Sequence[tuple[Term, Any]],
     training: bool,
+    micro_batches: int = 1,
 ) -> LossFunction:
     """The loss to differentiate, with the stock JAX trainer's outputs plus the terms'.
 
+    With `micro_batches > 1` and loss terms, the terms are computed inside
+    the micro-batch scan, each on its micro-batch (its inputs, labels,
+    predictions and recorded layer outputs) and weighted by `size / n`, as
+    the TensorFlow loop differentiates each micro-batch's loss with its terms.
+
     Args:
         model: the model (its `compute_terms` hook computes the terms).
-        forward: `forward(trainable, non_trainable, x)`, see `stateless_forward`.
+        forward: `forward(trainable, non_trainable, x)`, see `stateless_forward`
+            (the model's own pass: `loss_function` splits it when asked).
         terms: the active `(kt.Term, state)` pairs.
         training: the step's mode (scales the loss for mixed precision when True).
+        micro_batches: the compiled `micro_batches` (1: one forward pass).
 
     Returns:
         `f(trainable, non_trainable, metrics, x, y, sample_weight,
@@ -69,16 +79,39 @@ def loss_function(
     """
     layers = [layer for term, state in terms for layer in term.layers_to_capture(state)]
     wants_input_gradients = any(term.needs_input_gradients for term, _ in terms)
+    with_terms = bool(terms) or overrides(model, "compute_terms")
+    per_micro_batch = micro_batches > 1 and with_terms
+
+    def forward_and_terms(trainable, non_trainable, x, y, sample_weight, optimizer_vars):
+        """One forward pass and its terms: `(y_pred, non_trainable, losses, values)`."""
+        y_pred, new_non_trainable, losses, activations, input_gradients = _recorded_forward(
+            forward, layers, wants_input_gradients, trainable, non_trainable, x
+        )
+        values: list[Any] = []
+        if with_terms:
+            context = (x, y, y_pred, sample_weight, activations, input_gradients)
+            values = _term_values(
+                model, terms, training, trainable, new_non_trainable, optimizer_vars, context
+            )
+        return y_pred, new_non_trainable, losses, values
 
     def compute(trainable, non_trainable, metrics, x, y, sample_weight, optimizer_vars):
-        input_gradients = None
-        if wants_input_gradients:
-            y_pred, new_non_trainable, losses, activations, input_gradients = _input_vjp(
-                forward, layers, trainable, non_trainable, x
+        if per_micro_batch:
+            y_pred, new_non_trainable, losses, values = micro_batch_scan(
+                forward_and_terms,
+                (trainable, non_trainable, optimizer_vars),
+                (x, y, sample_weight),
+                micro_batches,
             )
+        elif micro_batches > 1:
+            y_pred, new_non_trainable, losses = micro_batch_forward(forward, micro_batches)(
+                trainable, non_trainable, x
+            )
+            values = []
         else:
-            with capture.recording_outputs(layers) as activations:
-                y_pred, new_non_trainable, losses = forward(trainable, non_trainable, x)
+            y_pred, new_non_trainable, losses, values = forward_and_terms(
+                trainable, non_trainable, x, y, sample_weight, optimizer_vars
+            )
         loss, new_non_trainable, metrics = jax_trainer.stateless_loss(
             model,
             trainable,
@@ -91,19 +124,8 @@ def loss_function(
             losses,
             training,
         )
-        values = []
-        if terms or overrides(model, "compute_terms"):
-            mapping = list(zip(model.trainable_variables, trainable))
-            mapping += list(zip(model.non_trainable_variables, new_non_trainable))
-            if optimizer_vars is not None and model.optimizer is not None:
-                mapping += list(zip(model.optimizer.variables, optimizer_vars))
-            with keras.StatelessScope(state_mapping=mapping):
-                context = JaxTermContext(
-                    model, x, y, y_pred, sample_weight, training, activations, input_gradients
-                )
-                values = [ops.cast(v, "float32") for v in model.compute_terms(list(terms), context)]
-            if values:
-                loss = loss + ops.cast(sum(values[1:], values[0]), loss.dtype)
+        if values:
+            loss = loss + ops.cast(sum(values[1:], values[0]), loss.dtype)
         unscaled = loss
         if training and model.optimizer is not None:
             mapping = list(zip(model.optimizer.variables, optimizer_vars))
@@ -112,6 +134,40 @@ def loss_function(
         return loss, (unscaled, y_pred, new_non_trainable, metrics, values[: len(terms)])
 
     return compute
+
+
+def _recorded_forward(forward, layers, wants_input_gradients, trainable, non_trainable, x):
+    """`forward` recording the terms' layer outputs (and the input VJP when asked).
+
+    Returns:
+        `(y_pred, non_trainable, losses, activations, input_gradients)`;
+        `input_gradients` is None unless `wants_input_gradients`.
+    """
+    if wants_input_gradients:
+        return _input_vjp(forward, layers, trainable, non_trainable, x)
+    with capture.recording_outputs(layers) as activations:
+        y_pred, new_non_trainable, losses = forward(trainable, non_trainable, x)
+    return y_pred, new_non_trainable, losses, activations, None
+
+
+def _term_values(model, terms, training, trainable, non_trainable, optimizer_vars, context):
+    """The `compute_terms` hook's float32 values, with this step's variable values.
+
+    It runs inside a `keras.StatelessScope` mapping the model's and the
+    optimizer's variables to `trainable`, `non_trainable` and
+    `optimizer_vars`; `context` is `(x, y, y_pred, sample_weight,
+    activations, input_gradients)` of the pass.
+    """
+    x, y, y_pred, sample_weight, activations, input_gradients = context
+    mapping = list(zip(model.trainable_variables, trainable))
+    mapping += list(zip(model.non_trainable_variables, non_trainable))
+    if optimizer_vars is not None and model.optimizer is not None:
+        mapping += list(zip(model.optimizer.variables, optimizer_vars))
+    with keras.StatelessScope(state_mapping=mapping):
+        term_context = JaxTermContext(
+            model, x, y, y_pred, sample_weight, training, activations, input_gradients
+        )
+        return [ops.cast(v, "float32") for v in model.compute_terms(list(terms), term_context)]
 
 
 class JaxTermContext(TermContext):

@@ -13,7 +13,10 @@ reduction, sample and class weights, masks and multi-output losses, with no
 per-reduction rescaling (which the TensorFlow loop needs because it
 differentiates each micro-batch's loss apart). The forward pass's own losses
 (regularizers, `add_loss`) count once: each micro-batch's share is weighted
-by `size / n`, as on TensorFlow.
+by `size / n`, as on TensorFlow. Loss terms are computed inside the scan,
+each on its micro-batch (inputs, labels, predictions, recorded layer
+outputs, input gradients) and weighted by `size / n`, as the TensorFlow loop
+adds them to each micro-batch's loss (`micro_batch_scan`).
 
 Non-trainable state (BatchNormalization moving statistics, seed generators)
 is carried from one micro-batch to the next: `batch_norm_updates=
@@ -30,26 +33,30 @@ import jax
 import keras
 from keras import ops
 
-from keras_tapeops._keras import jax_trainer
 from keras_tapeops._keras import private
 from keras_tapeops.split_sizes import equal_size_groups
 from keras_tapeops.split_sizes import static_batch_size
 
 Forward = Callable[[Any, Any, Any], tuple[Any, Any, list[Any]]]
+#: `pass_fn(trainable, non_trainable, x, y, sample_weight, optimizer_vars) ->
+#: (y_pred, non_trainable, losses, values)`: one forward pass and its terms.
+Pass = Callable[..., tuple[Any, Any, list[Any], list[Any]]]
 
 
-def micro_batch_forward(model: keras.Model, k: int) -> Forward:
+def micro_batch_forward(forward: Forward, k: int) -> Forward:
     """The forward pass of a batch in `k` rematerialized micro-batches.
 
     Args:
-        model: the (built) model, called statelessly in training mode.
+        forward: `forward(trainable, non_trainable, x) -> (y_pred,
+            non_trainable, losses)`, the model's stateless training pass
+            (`backend/jax/loss.stateless_forward`).
         k: requested number of micro-batches (a smaller batch uses one per
             sample).
 
     Returns:
         `forward(trainable, non_trainable, x) -> (y_pred, non_trainable,
-        [extra_loss])`, for `jax_trainer.compute_loss_and_updates`:
-        `y_pred` is the whole batch's, in sample order.
+        [extra_loss])`, for `jax_trainer.stateless_loss`: `y_pred` is the
+        whole batch's, in sample order.
 
     Example:
     ```python
@@ -57,34 +64,71 @@ def micro_batch_forward(model: keras.Model, k: int) -> Forward:
     model.fit(x, y, batch_size=64)  # on JAX: 4 passes of 16 samples, 1 step
     ```
     """
-    kwargs = jax_trainer.call_kwargs(model, training=True)
+
+    def one_pass(trainable, non_trainable, x, y, sample_weight, optimizer_vars):
+        return (*forward(trainable, non_trainable, x), [])
+
+    def split_forward(trainable, non_trainable, x):
+        y_pred, non_trainable, losses, _ = micro_batch_scan(
+            one_pass, (trainable, non_trainable, None), (x, None, None), k
+        )
+        return y_pred, non_trainable, losses
+
+    return split_forward
+
+
+def micro_batch_scan(
+    pass_fn: Pass, state: tuple[Any, Any, Any], batch: tuple[Any, Any, Any], k: int
+) -> tuple[Any, Any, list[Any], list[Any]]:
+    """`pass_fn` over `k` micro-batches, one rematerialized pass at a time.
+
+    Args:
+        pass_fn: one forward pass (and its loss terms) on a micro-batch,
+            see `Pass`; its losses and values are float scalars.
+        state: `(trainable, non_trainable, optimizer_vars)`; the
+            non-trainable values are carried from one micro-batch to the next.
+        batch: `(x, y, sample_weight)` of the whole batch (y and
+            sample_weight may be None).
+        k: requested number of micro-batches.
+
+    Returns:
+        `(y_pred, non_trainable, [extra_loss], values)`: the whole batch's
+        predictions in sample order, the last non-trainable values, and
+        the forward losses and term values of the micro-batches, each
+        weighted by `size / n`.
+    """
+    trainable, non_trainable, optimizer_vars = state
+    n = static_batch_size(batch[0])
 
     @jax.checkpoint
-    def one_micro_batch(trainable, non_trainable, x):
-        y_pred, non_trainable, losses = model.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs
+    def one_micro_batch(trainable, non_trainable, optimizer_vars, micro):
+        y_pred, non_trainable, losses, values = pass_fn(
+            trainable, non_trainable, *micro, optimizer_vars
         )
         extra = sum((ops.cast(loss, "float32") for loss in losses), ops.zeros((), "float32"))
-        return y_pred, non_trainable, extra
+        return y_pred, non_trainable, extra, [ops.cast(v, "float32") for v in values]
 
-    def forward(trainable, non_trainable, x):
-        n = static_batch_size(x)
-        extra = ops.zeros((), "float32")
-        pieces = []
-        for start, count, size in equal_size_groups(n, k):
-            stacked = jax.tree_util.tree_map(lambda t: _stack(t, start, count, size), x)
+    extra = ops.zeros((), "float32")
+    values: list[Any] | None = None
+    pieces = []
+    for start, count, size in equal_size_groups(n, k):
+        group = jax.tree_util.tree_map(lambda t: stacked(t, start, count, size), batch)
 
-            def body(carry, x_micro, size=size):
-                non_trainable, extra = carry
-                y_pred, non_trainable, loss = one_micro_batch(trainable, non_trainable, x_micro)
-                return (non_trainable, extra + loss * (size / n)), y_pred
+        def body(carry, micro, size=size):
+            non_trainable, extra = carry
+            y_pred, non_trainable, loss, micro_values = one_micro_batch(
+                trainable, non_trainable, optimizer_vars, micro
+            )
+            return (non_trainable, extra + loss * (size / n)), (y_pred, micro_values)
 
-            (non_trainable, extra), y_stacked = jax.lax.scan(body, (non_trainable, extra), stacked)
-            pieces.append(jax.tree_util.tree_map(_unstack, y_stacked))
-        y_pred = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *pieces)
-        return y_pred, non_trainable, [extra]
-
-    return forward
+        (non_trainable, extra), (y_stacked, stacked_values) = jax.lax.scan(
+            body, (non_trainable, extra), group
+        )
+        pieces.append(jax.tree_util.tree_map(unstacked, y_stacked))
+        shares = [ops.sum(v) * (size / n) for v in stacked_values]
+        values = shares if values is None else [a + b for a, b in zip(values, shares)]
+    y_pred = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *pieces)
+    return y_pred, non_trainable, [extra], values or []
 
 
 def check_batch_norm(model: keras.Model, micro_batches: int, mode: str) -> None:
@@ -115,10 +159,11 @@ def check_batch_norm(model: keras.Model, micro_batches: int, mode: str) -> None:
         )
 
 
-def _stack(t: Any, start: int, count: int, size: int) -> Any:
+def stacked(t: Any, start: int, count: int, size: int) -> Any:
     """Samples `start .. start + count * size` of `t` as `[count, size, ...]`."""
     return ops.reshape(t[start : start + count * size], (count, size) + tuple(t.shape[1:]))
 
 
-def _unstack(t: Any) -> Any:
+def unstacked(t: Any) -> Any:
+    """`[count, size, ...]` back to `[count * size, ...]` (samples in order)."""
     return ops.reshape(t, (t.shape[0] * t.shape[1],) + tuple(t.shape[2:]))

@@ -70,7 +70,12 @@ class JaxModelState:
         self.saveable = TrainingState(self)  # the transforms' variables, in files
         if isinstance(options.differential_privacy, DPSGD):  # the only one on JAX
             options.differential_privacy.check_model(model, tree)
-            self.privacy = privacy.PrivateGradients(options.differential_privacy, model)
+            self.privacy = privacy.PrivateGradients(
+                options.differential_privacy,
+                model,
+                options.micro_batches,
+                accumulating=options.accumulation_steps > 1,
+            )
 
     @property
     def engine(self) -> privacy.PrivateGradients | None:
@@ -198,7 +203,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 second at the perturbed weights.
             differential_privacy: None or a `kt.DPSGD`: per-example
                 gradients by `jax.vmap`, clipped, summed, noised once per
-                step (alone: not with micro_batches or accumulation_steps).
+                step (also with micro_batches and accumulation_steps: once per applied step).
             loss_terms: list of `kt.LossTerm`, `kt.ActivationPenalty` or
                 your own `kt.Term`, added to the loss from the same forward
                 pass and logged under their names.
@@ -320,13 +325,13 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 return loss, (*aux, [])
 
             return stock
+        k = 1
         if split and options is not None:
             micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
-            forward = micro_batches.micro_batch_forward(self, options.micro_batches)
-        else:
-            forward = jax_loss.stateless_forward(self, training)
+            k = options.micro_batches
+        forward = jax_loss.stateless_forward(self, training)
         terms = self.tapeops_state.active_terms(training) if self.tapeops_state else []
-        return jax_loss.loss_function(self, forward, terms, training)
+        return jax_loss.loss_function(self, forward, terms, training, micro_batches=k)
 
     def make_train_function(self, force: bool = False) -> Any:
         """Binds the transforms (their metrics join the JAX state), then Keras's."""
@@ -347,7 +352,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
     def _tapeops_bind(self) -> None:
         state = self.tapeops_state
         if state is not None and self.built:
-            state.bind(self, lambda *step_state: self._apply_gradients(*step_state)[:3])
+            state.bind(self, self._apply_window)
             state.saveable.restore_pending()  # training state loaded before binding
 
     def _log(self, metrics_vars, loss, x, y, y_pred, sample_weight, values, training):
@@ -516,6 +521,19 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             perturbed, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
         )
         return second
+
+    def _apply_window(self, grads, trainable, optimizer_vars, metrics_vars, samples):
+        """An accumulation window's step: DP-SGD's noise first (if any), then `_apply_gradients`.
+
+        Returns `(trainable, optimizer_vars, metrics_vars)`.
+        """
+        engine = self.tapeops_state.privacy if self.tapeops_state is not None else None
+        if engine is not None:
+            scale = self._loss_scale(optimizer_vars)
+            grads, metrics_vars = engine.finish_window(
+                self, grads, samples, scale, (trainable, optimizer_vars, metrics_vars)
+            )
+        return self._apply_gradients(grads, trainable, optimizer_vars, metrics_vars)[:3]
 
     def _apply_gradients(self, grads, trainable, optimizer_vars, metrics_vars):
         """The transforms on the true gradients, then the optimizer (stateless).

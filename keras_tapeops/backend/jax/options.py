@@ -53,7 +53,7 @@ def _refuse(name: str, value: Any, what: str = "") -> None:
     raise ValueError(
         f"`{name}`{what} is not available on the JAX backend yet; on JAX, "
         "keras_tapeops supports micro_batches, accumulation_steps, sharpness_aware=kt.SAM(...), "
-        "differential_privacy=kt.DPSGD(...) (alone: without micro_batches or accumulation_steps), "
+        "differential_privacy=kt.DPSGD(...), "
         "kt.optimizer_groups, "
         "kt.layerwise_lr_decay, loss_terms with "
         + ", ".join(f"kt.{t.__name__}" for t in JAX_TERMS)
@@ -92,12 +92,6 @@ def pop_jax_options(kwargs: dict[str, Any]) -> TapeOpsOptions:
     for term in options.loss_terms:
         check_jax_term(term)
     check_jax_privacy(options)
-    if options.loss_terms and options.micro_batches > 1:
-        _refuse(
-            "loss_terms",
-            list(options.loss_terms),
-            f" with micro_batches={options.micro_batches}",
-        )
     return options
 
 
@@ -112,10 +106,6 @@ def check_jax_privacy(options: TapeOpsOptions) -> None:
         return
     if options.loss_terms:
         raise loss_terms_refused([term.name for term in options.loss_terms])
-    for name in ("micro_batches", "accumulation_steps"):
-        value = getattr(options, name)
-        if value > 1:
-            _refuse("differential_privacy", private, f" with {name}={value}")
 
 
 def check_jax_term(term: Term) -> None:

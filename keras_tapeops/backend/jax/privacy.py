@@ -19,6 +19,17 @@
    of rows and gets the gradient of the weight regularizers
    (data-independent: not clipped, not noised), as on TensorFlow.
 
+With `micro_batches=k` the per-example gradients are computed, clipped and
+summed one micro-batch at a time (a `jax.lax.scan`; the micro-batches cut
+as on TensorFlow), so only one micro-batch's rows exist at once; the clipped
+sum, the noise and the division are the batch's, as without micro-batches.
+
+With `accumulation_steps=k` each batch gives the window its clipped mean
+(no noise); the window's step adds the noise of that step once, divided by
+the window's samples, and the regularizers' gradient (`finish_window`), as
+the TensorFlow engine's `finalize`: k batches of b examples make the step of
+one batch of k * b (with the same noise).
+
 Under `keras.distribution.DataParallel` the step sees the global batch, so
 the per-example gradients, the noise and the division are the global ones:
 two devices equal one. The TensorFlow engine (`keras_tapeops.privacy.engine`)
@@ -41,9 +52,12 @@ from keras_tapeops._keras import private
 from keras_tapeops.accumulation.reduction_kinds import named_losses
 from keras_tapeops.backend.jax.carried import CarriedState
 from keras_tapeops.backend.jax.loss import updating_metrics
+from keras_tapeops.backend.jax.micro_batches import stacked
+from keras_tapeops.backend.jax.micro_batches import unstacked
 from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy.dpsgd import DPSGD
+from keras_tapeops.split_sizes import equal_size_groups
 from keras_tapeops.split_sizes import static_batch_size
 
 NONFINITE_METRIC = "dp_nonfinite_examples"
@@ -97,10 +111,25 @@ class PrivateGradients:
     Args:
         option: the `kt.DPSGD`.
         model: the model being compiled.
+        micro_batches: the compiled `micro_batches`: the per-example
+            gradients of that many micro-batches are computed and clipped
+            one micro-batch at a time (the same clipped sum).
+        accumulating: True with `accumulation_steps > 1`: each batch gives
+            its clipped mean to the accumulation window, and the noise, the
+            division by the window's samples and the regularizers' gradient
+            come once per applied step (`finish_window`).
     """
 
-    def __init__(self, option: DPSGD, model: keras.Model) -> None:
+    def __init__(
+        self,
+        option: DPSGD,
+        model: keras.Model,
+        micro_batches: int = 1,
+        accumulating: bool = False,
+    ) -> None:
         self.option = option
+        self.micro_batches = micro_batches
+        self.accumulating = accumulating
         self.seed = option.seed if option.seed is not None else seeds.fresh_seed()
         self.metrics = {
             NONFINITE_METRIC: keras.metrics.Sum(name=NONFINITE_METRIC),
@@ -159,42 +188,114 @@ class PrivateGradients:
         with keras.StatelessScope(state_mapping=optimizer_state):
             step = ops.convert_to_tensor(model.optimizer.iterations)
         per_example = _per_example_function(model, forward, trainable, non_trainable)
+        unit = ops.ones((), "float32") if scale is None else scale
+
+        def clipped_sum(xs, ys, mask_part):
+            return self._clipped_sum(per_example, unit, scale, xs, ys, mask_part)
+
+        if self.micro_batches > 1:
+            clipped, nonfinite, values, y_pred, new_non_trainable = _in_micro_batches(
+                clipped_sum, (x, y, mask), n, self.micro_batches, trainable
+            )
+        else:
+            clipped, nonfinite, values, y_pred, new_non_trainable = clipped_sum(x, y, mask)
+        if scale is None:  # outside mixed precision a non-finite example counts zero
+            with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
+                self.metrics[NONFINITE_METRIC].update_state(nonfinite)
+        regularization, _ = _regularization(model, trainable)
+        loss = ops.sum(values) / float(n) + regularization
+        if self.accumulating:  # the window weights it by n: its sum; noise at the step
+            out = [ops.cast(g / float(n), v.dtype) for g, v in zip(clipped, trainable)]
+            return out, loss, y_pred, new_non_trainable, metrics_vars
+        with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
+            samples = float(n) if mask is None else ops.sum(mask)
+            self.step_samples.assign(ops.cast(samples, "float32"))
+        out = self._finished(model, clipped, float(n), step, trainable)
+        return out, loss, y_pred, new_non_trainable, metrics_vars
+
+    def finish_window(
+        self,
+        model: keras.Model,
+        grads: list[Any],
+        samples: Any,
+        scale: Any,
+        state: tuple[list[Any], list[Any], list[Any]],
+    ) -> tuple[list[Any], list[Any]]:
+        """An accumulation window's private gradient, once per applied step.
+
+        Args:
+            model: the compiled model.
+            grads: the window's gradient: the sum of its clipped per-example
+                gradients divided by its samples (times the loss scale).
+            samples: the window's number of examples.
+            scale: the loss scale of this step (or None).
+            state: `(trainable, optimizer_vars, metrics_vars)` values.
+
+        Returns:
+            `(grads, metrics_vars)`: with the noise of this step divided by
+            the window's samples and the regularizers' gradient (times the
+            loss scale), and `dp_step_samples` set to the window's samples.
+        """
+        trainable, optimizer_vars, metrics_vars = state
+        optimizer_state = list(zip(model.optimizer.variables, optimizer_vars))
+        with keras.StatelessScope(state_mapping=optimizer_state):
+            step = ops.convert_to_tensor(model.optimizer.iterations)
+        with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
+            self.step_samples.assign(ops.cast(samples, "float32"))
+        unit = ops.ones((), "float32") if scale is None else ops.cast(scale, "float32")
+        sums = [ops.cast(g, "float32") / unit * samples for g in grads]
+        out = self._finished(model, sums, samples, step, trainable)
+        return [g * ops.cast(unit, g.dtype) for g in out], metrics_vars
+
+    def _finished(
+        self, model: keras.Model, sums: list[Any], samples: Any, step: Any, trainable: Any
+    ) -> list[Any]:
+        """The clipped sums plus noise, divided by `samples`, plus the regularizers' gradient."""
+        noised = self._noised(sums, step)
+        divided = [g / samples for g in noised]
+        _, reg_grads = _regularization(model, trainable)
+        out = [c if r is None else c + r for c, r in zip(divided, reg_grads)]
+        return [ops.cast(g, v.dtype) for g, v in zip(out, model.trainable_variables)]
+
+    def _clipped_sum(
+        self, per_example: Any, unit: Any, scale: Any, x: Any, y: Any, mask: Any
+    ) -> tuple[list[Any], Any, Any, Any, list[Any]]:
+        """The clipped sum of the examples of `x` (the batch or one micro-batch).
+
+        Returns:
+            `(sums, nonfinite, losses, y_pred, non_trainable)`: one float32
+            sum per trainable variable, the number of non-finite examples
+            zeroed (0 under a LossScaleOptimizer), the per-example losses to
+            log (zero where not counted), the outputs and the first
+            example's non-trainable values.
+        """
+        m = static_batch_size(x)
         grads, losses, y_pred, new_non_trainable = jax.vmap(per_example, in_axes=(0, 0, None))(
-            x, y, ops.ones((), "float32") if scale is None else scale
+            x, y, unit
         )
         grads = [ops.cast(g, "float32") for g in grads]
         if scale is not None:
             grads = [g / scale for g in grads]
         y_pred = keras.tree.map_structure(lambda t: t[:, 0], y_pred)
         new_non_trainable = [v[0] for v in new_non_trainable]
-        squared = sum(ops.sum(ops.reshape(ops.square(g), (n, -1)), axis=1) for g in grads)
+        squared = sum(ops.sum(ops.reshape(ops.square(g), (m, -1)), axis=1) for g in grads)
         weights = ops.minimum(1.0, self.option.l2_norm_clip / ops.sqrt(squared))
         logged = mask
+        nonfinite = ops.zeros((), "float32")
         if scale is None:  # outside mixed precision a non-finite example counts zero
             finite = ops.logical_and(ops.isfinite(squared), ops.isfinite(losses))
-            finite = ops.logical_and(finite, _finite_rows((x, y), n))
+            finite = ops.logical_and(finite, _finite_rows((x, y), m))
             grads = [ops.where(_rows(finite, g), g, 0.0) for g in grads]
             weights = ops.where(finite, weights, 0.0)
             losses = ops.where(finite, losses, 0.0)
             finite = ops.cast(finite, "float32")
             logged = finite if mask is None else finite * mask
-            nonfinite = 1.0 - finite if mask is None else (1.0 - finite) * mask
-            with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
-                self.metrics[NONFINITE_METRIC].update_state(ops.sum(nonfinite))
+            nonfinite = ops.sum(1.0 - finite if mask is None else (1.0 - finite) * mask)
         if mask is not None:
             weights = weights * mask
-        with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
-            samples = float(n) if mask is None else ops.sum(mask)
-            self.step_samples.assign(ops.cast(samples, "float32"))
-        clipped = [ops.tensordot(weights, g, axes=1) for g in grads]
-        clipped = self._noised(clipped, step)
-        clipped = [g / float(n) for g in clipped]
-        regularization, reg_grads = _regularization(model, trainable)
-        out = [c if r is None else c + r for c, r in zip(clipped, reg_grads)]
-        out = [ops.cast(g, v.dtype) for g, v in zip(out, model.trainable_variables)]
+        sums = [ops.tensordot(weights, g, axes=1) for g in grads]
         values = losses if logged is None else losses * logged
-        loss = ops.sum(values) / float(n) + regularization
-        return out, loss, y_pred, new_non_trainable, metrics_vars
+        return sums, nonfinite, values, y_pred, new_non_trainable
 
     def _noised(self, sums: list[Any], step: Any) -> list[Any]:
         """Adds `N(0, (C sigma)^2)` to each sum, keyed by `(seed, step, index)`."""
@@ -208,6 +309,41 @@ class PrivateGradients:
             s + stddev * jax.random.normal(jax.random.fold_in(key, index), s.shape, "float32")
             for index, s in enumerate(sums)
         ]
+
+
+def _in_micro_batches(
+    clipped_sum: Any, batch: tuple[Any, Any, Any], n: int, k: int, trainable: Any
+) -> tuple[list[Any], Any, Any, Any, list[Any]]:
+    """`clipped_sum` over `k` micro-batches in a `jax.lax.scan`, the sums added up.
+
+    Only one micro-batch's per-example gradients exist at a time. The
+    micro-batches are cut as on TensorFlow (`split_sizes.equal_size_groups`).
+
+    Returns:
+        What `clipped_sum` returns for the whole batch (outputs and losses
+        in sample order, the first example's non-trainable values).
+    """
+    sums = [ops.zeros(v.shape, "float32") for v in trainable]
+    nonfinite = ops.zeros((), "float32")
+    values, outputs, first = [], [], None
+    for start, count, size in equal_size_groups(n, k):
+        group = jax.tree_util.tree_map(lambda t: stacked(t, start, count, size), batch)
+
+        def body(carry, micro):
+            sums, nonfinite = carry
+            part, part_nonfinite, part_values, y_pred, non_trainable = clipped_sum(*micro)
+            sums = [a + b for a, b in zip(sums, part)]
+            return (sums, nonfinite + part_nonfinite), (part_values, y_pred, non_trainable)
+
+        (sums, nonfinite), (part_values, y_pred, non_trainable) = jax.lax.scan(
+            body, (sums, nonfinite), group
+        )
+        values.append(unstacked(part_values))
+        outputs.append(jax.tree_util.tree_map(unstacked, y_pred))
+        if first is None:
+            first = [v[0] for v in non_trainable]
+    y_pred = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *outputs)
+    return sums, nonfinite, jax.numpy.concatenate(values, axis=0), y_pred, first or []
 
 
 def _check_batch(model: keras.Model, y: Any, sample_weight: Any) -> Any:
