@@ -471,19 +471,28 @@ def budget_cases(report):
     x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
     y = np.random.default_rng(1).integers(0, 2, size=32)
     target = kt.privacy.epsilon(6, 0.25, 0.8, accountant="rdp")  # the 7th step exceeds it
-    for steps_per_execution, rate in [(1, None), (2, 0.25)]:
+    # Last: windows of two batches of 4 are the steps of batches of 8 (rate
+    # inferred from the window's examples).
+    for key, steps_per_execution, rate, accumulation in [
+        ("budget_spe1", 1, None, 1),
+        ("budget_spe2", 2, 0.25, 1),
+        ("budget_accum2", 1, None, 2),
+    ]:
         model = kt.upgrade(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
         model.compile(
             optimizer="sgd",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps_per_execution,
             differential_privacy=kt.DPSGD(1.0, 0.8),
+            accumulation_steps=accumulation,
         )
         budget = kt.callbacks.PrivacyBudget(
             32, target_epsilon=target, accountant="rdp", sampling_rate=rate
         )
-        history = model.fit(x, y, batch_size=8, epochs=5, callbacks=[budget], verbose=0).history
-        report[f"budget_spe{steps_per_execution}"] = {
+        history = model.fit(
+            x, y, batch_size=8 // accumulation, epochs=5, callbacks=[budget], verbose=0
+        ).history
+        report[key] = {
             "iterations": int(model.optimizer.iterations.numpy()),
             "epsilon": [float(e) for e in history["epsilon"]],
             "loss_logged": len(history["loss"]),

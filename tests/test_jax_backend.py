@@ -891,12 +891,13 @@ def test_gan_default_noise_and_refusals(runs):
 def test_privacy_budget_on_jax_stops_where_tensorflow_does(runs):
     # tests/test_privacy_accounting.py's run on JAX: epsilon after each epoch,
     # and no step past the target (the 7th would exceed it), with the rate
-    # inferred from the steps, and given with steps_per_execution=2.
+    # inferred from the steps, and given with steps_per_execution=2; with
+    # accumulation_steps=2 on batches of 4 (the window's 8 examples per step).
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
     target = kt.privacy.epsilon(6, 0.25, 0.8, accountant="rdp")
     first = kt.privacy.epsilon(4, 0.25, 0.8, accountant="rdp")
-    for key in ("budget_spe1", "budget_spe2"):
+    for key in ("budget_spe1", "budget_spe2", "budget_accum2"):
         assert report[key]["iterations"] == 6, key
         np.testing.assert_allclose(report[key]["epsilon"], [first, target], rtol=1e-12)
         assert report[key]["loss_logged"] == 2  # the stopped epoch logs its metrics
