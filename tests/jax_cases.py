@@ -340,6 +340,32 @@ def hand_written_dp_loop(init, x, y):
     return model
 
 
+def jax_privacy_loop(init, x, y):
+    """The DP-SGD run with `jax_privacy.clipped_grad` (noise off), or None without it."""
+    try:
+        from jax_privacy.clipping import clipped_grad
+    except ImportError:
+        return None
+    model = make_mlp(init, upgrade=False)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(values, x_batch, y_batch):  # called on one example (batch axis kept)
+        pred, _ = model.stateless_call(values, non_trainable, x_batch)
+        return jax.numpy.mean((pred - y_batch) ** 2)
+
+    mean_clipped = jax.jit(
+        clipped_grad(loss, l2_clip_norm=DP_CLIP, batch_argnums=(1, 2), normalize_by=BATCH)
+    )
+    for _ in range(EPOCHS):
+        for start in range(0, len(x), BATCH):
+            g = mean_clipped(trainable, x[start : start + BATCH], y[start : start + BATCH])
+            trainable = [w - LR * t for w, t in zip(trainable, g)]
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    return model
+
+
 def privacy_cases(out, init, x, y, report):
     """DP-SGD: noise off (against TF and the hand loop), noise on, two devices, refusals."""
     validation = {"validation_data": (x[:32], y[:32])}
@@ -347,6 +373,10 @@ def privacy_cases(out, init, x, y, report):
         model = compiled(make_mlp(init), **options)
         save_case(out, name, model, fit(model, x, y, **validation))
     save_case(out, "dp_hand", hand_written_dp_loop(init, x, y), {})
+    reference = jax_privacy_loop(init, x, y)
+    report["jax_privacy_installed"] = reference is not None
+    if reference is not None:
+        save_case(out, "dp_jax_privacy", reference, {})
     model = compiled(make_mlp(init), jit_compile=False, **dp_cases(kt)["dp"])
     save_case(out, "dp_eager", model, fit(model, x, y))
     model = compiled(make_mlp(init), differential_privacy=kt.DPSGD(1e6, 0.0))

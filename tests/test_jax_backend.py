@@ -706,6 +706,18 @@ def test_dp_sgd_equals_the_hand_written_per_example_loop_and_can_fail(runs):
     assert _max_diff(unclipped, hand) > 1e-2
 
 
+def test_dp_sgd_equals_jax_privacy_clipped_grad(runs):
+    """The same run with `jax_privacy.clipping.clipped_grad` (the test extra installs it):
+    the mean of the clipped per-example gradients, SGD, noise off."""
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    if not report["jax_privacy_installed"]:
+        pytest.skip("jax_privacy is not installed")
+    reference, _ = _jax(out, "dp_jax_privacy")
+    assert _max_diff(_jax(out, "dp")[0], reference) <= 1e-6
+    assert _max_diff(_jax(out, "dp_unclipped")[0], reference) > 1e-2  # the check can fail
+
+
 def test_dp_sgd_zeroes_a_nan_example_like_tensorflow(runs):
     out, tf_runs = runs
     weights, history = _equals_tensorflow(out, tf_runs, "dp_nan")
