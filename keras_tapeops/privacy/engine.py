@@ -305,7 +305,7 @@ class DPSGDState(MultiGradientState):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         inverse = tf.math.divide_no_nan(1.0, samples)
         stddev = self.option.l2_norm_clip * self.option.noise_multiplier
-        step = model.optimizer.iterations
+        step_key = noise.step_key(key, model.optimizer.iterations) if stddev > 0 else None
         out = []
         for index, grad in enumerate(grads):
             if grad is None:
@@ -315,7 +315,7 @@ class DPSGDState(MultiGradientState):
             if accumulating:  # the window's pipeline averaged: back to a sum
                 total = total * (samples / float(replicas))
             if stddev > 0:
-                total = total + noise.gaussian(tf.shape(total), key, step, index, stddev)
+                total = total + noise.gaussian_at(tf.shape(total), step_key, index, stddev)
             out.append(total * inverse)
         out = _add_regularization(out, variables)
         return [None if g is None else tf.cast(g, v.dtype) for g, v in zip(out, variables)]

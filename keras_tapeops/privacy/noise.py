@@ -44,11 +44,32 @@ def gaussian(shape, key, step, index, stddev):
     gaussian([3], tf.constant([1, 2], tf.int64), step=0, index=0, stddev=1.1)
     ```
     """
+    return gaussian_at(shape, step_key(key, step), index, stddev)
+
+
+def step_key(key, step):
+    """The key of one step's noise: `key` with `step` folded in (once per step).
+
+    Example:
+    ```python
+    at_step = step_key(tf.constant([1, 2], tf.int64), step=0)
+    ```
+    """
     # Philox explicitly, so every device and replica uses one algorithm. This
     # does NOT make jit_compile=True draw the graph's noise: XLA lowers the
     # stateless normal with its own kernels, so a seeded run under XLA draws
     # other (equally distributed) noise than the same run without XLA
     # (docs/privacy.md, "Composes with"). Within one mode, runs are reproducible.
-    key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64), alg="philox")
-    key = tf.random.experimental.stateless_fold_in(key, index, alg="philox")
+    return tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64), alg="philox")
+
+
+def gaussian_at(shape, key_of_step, index, stddev):
+    """Variable `index`'s `N(0, stddev^2)` float32 noise from the step's key (`step_key`).
+
+    Example:
+    ```python
+    gaussian_at([3], step_key(tf.constant([1, 2], tf.int64), 0), index=0, stddev=1.1)
+    ```
+    """
+    key = tf.random.experimental.stateless_fold_in(key_of_step, index, alg="philox")
     return tf.random.stateless_normal(shape, key, stddev=stddev, dtype=tf.float32, alg="philox")
