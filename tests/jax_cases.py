@@ -401,9 +401,15 @@ def privacy_cases(out, init, x, y, report):
     # accumulation_steps: batches of 8 in windows of 2 make the steps of
     # batches of 16, with the same noise; windows of 3 (the epoch's fourth
     # batch flushed alone) with a regularizer.
-    for name, privacy in [("dp_accum2_b8", dp_cases(kt)["dp"]["differential_privacy"]),
-                          ("dp_noise_accum2_b8", seeded)]:
-        model = compiled(make_mlp(init), differential_privacy=privacy, accumulation_steps=2)
+    # With SGD(loss_scale_factor=8) the window's noise is added to true gradients.
+    for name, privacy, optimizer in [
+        ("dp_accum2_b8", dp_cases(kt)["dp"]["differential_privacy"], None),
+        ("dp_noise_accum2_b8", seeded, None),
+        ("dp_noise_accum2_b8_static", seeded, keras.optimizers.SGD(LR, loss_scale_factor=8.0)),
+    ]:
+        model = compiled(
+            make_mlp(init), optimizer=optimizer, differential_privacy=privacy, accumulation_steps=2
+        )
         history = model.fit(x, y, batch_size=BATCH // 2, epochs=EPOCHS, shuffle=False, verbose=0)
         save_case(out, name, model, history.history)
     model = compiled(
@@ -426,6 +432,8 @@ def privacy_cases(out, init, x, y, report):
         save_case(out, "dp_data_parallel", model, fit(model, x, y, **validation))
         model = compiled(make_mlp(init), differential_privacy=seeded)
         save_case(out, "dp_noise_data_parallel", model, fit(model, x, y))
+        model = compiled(make_mlp(init), **dp_cases(kt)["dp"], micro_batches=3)
+        save_case(out, "dp_micro3_data_parallel", model, fit(model, x, y))
     finally:
         keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -732,6 +732,7 @@ def test_dp_sgd_in_micro_batches_equals_the_whole_batch_and_tensorflow(runs):
     out, tf_runs = runs
     weights, _ = _equals_tensorflow(out, tf_runs, "dp_micro3")
     assert _max_diff(weights, _jax(out, "dp")[0]) <= 1e-6
+    assert _max_diff(_jax(out, "dp_micro3_data_parallel")[0], weights) <= 1e-6
     noisy, _ = _jax(out, "dp_noise_micro3")
     assert _max_diff(noisy, _jax(out, "dp_noise")[0]) <= 1e-6
     nan_weights, nan_history = _jax(out, "dp_nan_micro3")
@@ -749,6 +750,7 @@ def test_dp_sgd_accumulation_noises_once_per_applied_step(runs):
     assert _max_diff(_jax(out, "dp_accum2_b8")[0], _jax(out, "dp")[0]) <= 1e-6
     noisy, _ = _jax(out, "dp_noise_accum2_b8")
     assert _max_diff(noisy, _jax(out, "dp_noise")[0]) <= 1e-6
+    assert _max_diff(_jax(out, "dp_noise_accum2_b8_static")[0], noisy) <= 1e-6
     assert _max_diff(noisy, _jax(out, "dp_accum2_b8")[0]) > 1e-2  # the noise is there
     weights, _ = _equals_tensorflow(out, tf_runs, "dp_accum3_regularized")
     assert _max_diff(weights, tf_runs["dp_regularized"][0]) > 1e-4  # windows change the steps

@@ -431,6 +431,13 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 grad_fn, grads, (trainable, non_trainable, metrics_vars, optimizer_vars), data
             )
         window = self.tapeops_state.accumulator if self.tapeops_state is not None else None
+        if engine is not None and engine.accumulating and window is None:
+            # The engine left the noise to the window's step: never apply without it.
+            raise RuntimeError(
+                "DPSGD with accumulation_steps on JAX has no accumulation window bound "
+                "(the step would apply gradients without noise); call fit() or "
+                "make_train_function() first."
+            )
         if window is not None:
             window.check_batch(self, (trainable, non_trainable), x, sample_weight, y_pred)
             trainable, optimizer_vars, metrics_vars = window.step(

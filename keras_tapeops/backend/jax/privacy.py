@@ -195,7 +195,7 @@ class PrivateGradients:
 
         if self.micro_batches > 1:
             clipped, nonfinite, values, y_pred, new_non_trainable = _in_micro_batches(
-                clipped_sum, (x, y, mask), n, self.micro_batches, trainable
+                clipped_sum, (x, y, mask), n, self.micro_batches, (trainable, non_trainable)
             )
         else:
             clipped, nonfinite, values, y_pred, new_non_trainable = clipped_sum(x, y, mask)
@@ -312,36 +312,54 @@ class PrivateGradients:
 
 
 def _in_micro_batches(
-    clipped_sum: Any, batch: tuple[Any, Any, Any], n: int, k: int, trainable: Any
+    clipped_sum: Any,
+    batch: tuple[Any, Any, Any],
+    n: int,
+    k: int,
+    variables: tuple[Any, Any],
 ) -> tuple[list[Any], Any, Any, Any, list[Any]]:
     """`clipped_sum` over `k` micro-batches in a `jax.lax.scan`, the sums added up.
 
     Only one micro-batch's per-example gradients exist at a time. The
     micro-batches are cut as on TensorFlow (`split_sizes.equal_size_groups`).
 
+    Args:
+        clipped_sum: `(x, y, mask) -> (sums, nonfinite, losses, y_pred,
+            non_trainable)` of a (micro-)batch, see `_clipped_sum`.
+        batch: `(x, y, mask)` of the whole batch (mask may be None).
+        n: the batch's number of rows.
+        k: requested number of micro-batches.
+        variables: `(trainable, non_trainable)` values (their shapes).
+
     Returns:
         What `clipped_sum` returns for the whole batch (outputs and losses
         in sample order, the first example's non-trainable values).
     """
+    trainable, non_trainable = variables
     sums = [ops.zeros(v.shape, "float32") for v in trainable]
     nonfinite = ops.zeros((), "float32")
-    values, outputs, first = [], [], None
+    first: list[Any] | None = None
+    values, outputs = [], []
     for start, count, size in equal_size_groups(n, k):
         group = jax.tree_util.tree_map(lambda t: stacked(t, start, count, size), batch)
+        # The first micro-batch's non-trainable values ride in the carry (not
+        # a scan output: that would keep one copy per micro-batch).
+        kept = [ops.zeros(v.shape, v.dtype) for v in non_trainable] if first is None else first
+        taken = ops.array(first is not None)
 
         def body(carry, micro):
-            sums, nonfinite = carry
-            part, part_nonfinite, part_values, y_pred, non_trainable = clipped_sum(*micro)
+            sums, nonfinite, kept, taken = carry
+            part, part_nonfinite, part_values, y_pred, new_non_trainable = clipped_sum(*micro)
             sums = [a + b for a, b in zip(sums, part)]
-            return (sums, nonfinite + part_nonfinite), (part_values, y_pred, non_trainable)
+            kept = [ops.where(taken, a, b) for a, b in zip(kept, new_non_trainable)]
+            carry = (sums, nonfinite + part_nonfinite, kept, ops.array(True))
+            return carry, (part_values, y_pred)
 
-        (sums, nonfinite), (part_values, y_pred, non_trainable) = jax.lax.scan(
-            body, (sums, nonfinite), group
+        (sums, nonfinite, first, _), (part_values, y_pred) = jax.lax.scan(
+            body, (sums, nonfinite, kept, taken), group
         )
         values.append(unstacked(part_values))
         outputs.append(jax.tree_util.tree_map(unstacked, y_pred))
-        if first is None:
-            first = [v[0] for v in non_trainable]
     y_pred = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *outputs)
     return sums, nonfinite, jax.numpy.concatenate(values, axis=0), y_pred, first or []
 
