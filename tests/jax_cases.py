@@ -51,6 +51,8 @@ from jax_models import (  # noqa: E402
     grouped_optimizers,
     logged_transforms,
     loss_terms,
+    make_masked,
+    masked_data,
     micro_batch_terms,
     make_batch_norm,
     make_mlp,
@@ -646,6 +648,10 @@ def main():
         batch_norm_updates="per_micro_batch",
     )
     save_case(out, "batch_norm_micro", model, fit(model, x, y))
+    # A masked output (Embedding(mask_zero=True)): the masks travel through the scan.
+    for name, k in [("masked_micro3", 3), ("masked_whole", 1)]:
+        model = compiled(make_masked(), micro_batches=k)
+        save_case(out, name, model, fit(model, *masked_data()))
     try:
         make_batch_norm(init).compile(optimizer="sgd", loss="mse", micro_batches=4)
         report["batch_norm_refusal"] = None

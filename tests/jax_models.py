@@ -250,6 +250,26 @@ def micro_batch_terms(kt):
     ]
 
 
+def make_masked():
+    """Token ids -> Embedding(mask_zero=True) -> SimpleRNN -> Dense: a masked output."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    h = keras.layers.SimpleRNN(3, return_sequences=True)(h)
+    import keras_tapeops as kt
+
+    return kt.upgrade(keras.Model(inputs, keras.layers.Dense(2)(h)))
+
+
+def masked_data():
+    """16 padded sequences (zeros after position 4, and after 2 in every third)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 9, size=(16, 6)).astype("int32")
+    x[:, 4:] = 0
+    x[::3, 2:] = 0
+    return x, rng.normal(size=(16, 6, 2)).astype("float32")
+
+
 #: DP-SGD's clipping bound in the cross-backend cases (the per-example
 #: gradients of `data()` are larger: every example is clipped).
 DP_CLIP = 0.5

@@ -10,6 +10,7 @@ later, checked on 3.10 and 3.15) reads both.
 """
 
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.masking import set_keras_mask
 
 
 def keras_mask(tensor):
@@ -19,3 +20,17 @@ def keras_mask(tensor):
     per-example loss masks the same positions as the compiled loss does.
     """
     return get_keras_mask(tensor)
+
+
+def with_keras_mask(tensor, mask):
+    """`tensor`, now carrying `mask` as its Keras mask (nothing when `mask` is None).
+
+    For outputs rebuilt from pieces (the JAX micro-batch scan concatenates
+    each micro-batch's predictions, which drops their masks): the compiled
+    loss then reads the mask as it would on the whole batch's output.
+    `keras.src.backend.common.masking.set_keras_mask`, checked on Keras
+    3.10 and 3.15 (no public writer either).
+    """
+    if mask is not None:
+        set_keras_mask(tensor, mask)
+    return tensor

@@ -33,6 +33,7 @@ import jax
 import keras
 from keras import ops
 
+from keras_tapeops._keras import masking
 from keras_tapeops._keras import private
 from keras_tapeops.split_sizes import equal_size_groups
 from keras_tapeops.split_sizes import static_batch_size
@@ -106,7 +107,9 @@ def micro_batch_scan(
             trainable, non_trainable, *micro, optimizer_vars
         )
         extra = sum((ops.cast(loss, "float32") for loss in losses), ops.zeros((), "float32"))
-        return y_pred, non_trainable, extra, [ops.cast(v, "float32") for v in values]
+        masks = [masking.keras_mask(t) for t in keras.tree.flatten(y_pred)]
+        values = [ops.cast(v, "float32") for v in values]
+        return (y_pred, masks), non_trainable, extra, values
 
     extra = ops.zeros((), "float32")
     values: list[Any] | None = None
@@ -127,7 +130,11 @@ def micro_batch_scan(
         pieces.append(jax.tree_util.tree_map(unstacked, y_stacked))
         shares = [ops.sum(v) * (size / n) for v in stacked_values]
         values = shares if values is None else [a + b for a, b in zip(values, shares)]
-    y_pred = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *pieces)
+    y_pred, masks = jax.tree_util.tree_map(lambda *p: jax.numpy.concatenate(p, axis=0), *pieces)
+    # The Keras masks (e.g. Embedding(mask_zero=True)) travel beside the
+    # predictions through the scan; the compiled loss reads them from y_pred.
+    leaves = [masking.with_keras_mask(t, m) for t, m in zip(keras.tree.flatten(y_pred), masks)]
+    y_pred = keras.tree.pack_sequence_as(y_pred, leaves)
     return y_pred, non_trainable, [extra], values or []
 
 
