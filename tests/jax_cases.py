@@ -11,6 +11,7 @@ from the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -66,6 +67,16 @@ from jax_models import (  # noqa: E402
     two_nan_batches_data,
     with_extra_term,
 )
+
+
+@contextlib.contextmanager
+def data_parallel(devices):
+    """`keras.distribution.DataParallel` over `devices` inside the block, none after."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
 
 
 def fit(model, x, y, **kwargs):
@@ -173,12 +184,9 @@ def accumulation_cases(out, init, x, y, report):
         accumulation_steps=3,
     )
     save_case(out, "accumulation3_sum", model, fit(model, x, y))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
-    try:
+    with data_parallel(jax.devices()):
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt), accumulation_steps=3)
         save_case(out, "accumulation3_data_parallel", model, fit(model, x, y, **validation))
-    finally:
-        keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt), accumulation_steps=3)
@@ -229,14 +237,11 @@ def skip_cases(out, init, report):
     save_case(out, "skip_batch_norm_oracle", model, fit(model, x[clean], y[clean]))
     model = compiled(make_mlp(init), gradient_transforms=update_ratios(kt))
     save_case(out, "update_ratio", model, fit(model, x, y, **validation))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
-    try:
+    with data_parallel(jax.devices()):
         model = compiled(make_mlp(init), gradient_transforms=skip)
         save_case(out, "skip_data_parallel", model, fit(model, x, y))
         model = compiled(make_mlp(init), gradient_transforms=update_ratios(kt))
         save_case(out, "update_ratio_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = compiled(make_mlp(init), gradient_transforms=skip)
@@ -428,16 +433,13 @@ def privacy_cases(out, init, x, y, report):
     )
     save_case(out, "dp_noise_static_scale", model, fit(model, x, y))
     devices = jax.devices()
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), **dp_cases(kt)["dp"])
         save_case(out, "dp_data_parallel", model, fit(model, x, y, **validation))
         model = compiled(make_mlp(init), differential_privacy=seeded)
         save_case(out, "dp_noise_data_parallel", model, fit(model, x, y))
         model = compiled(make_mlp(init), **dp_cases(kt)["dp"], micro_batches=3)
         save_case(out, "dp_micro3_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = make_mlp(init)
@@ -602,12 +604,9 @@ def main():
 
     # DataParallel across the two host devices equals one device.
     devices = jax.devices()
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt))
         save_case(out, "clip_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
 
     # micro_batches: even (4 of 4) and uneven (16 = 5 + 5 + 6) splits, jitted
     # and eager, on two devices; with the clip groups.
@@ -618,12 +617,9 @@ def main():
             make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3, **kwargs
         )
         save_case(out, name, model, fit(model, x, y))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), gradient_transforms=transforms(kt), micro_batches=3)
         save_case(out, "micro3_clip_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
 
     # Every reduction, with sample weights and both regularizer kinds: the
     # micro-batch gradient is the whole batch's.
@@ -669,16 +665,13 @@ def main():
         )
         save_case(out, name, model, fit(model, x, y, validation_data=(x[:32], y[:32])))
     model.save(out / "terms_from_jax.keras")
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(
             make_mlp(init), gradient_transforms=transforms(kt), loss_terms=loss_terms(kt)
         )
         save_case(
             out, "terms_data_parallel", model, fit(model, x, y, validation_data=(x[:32], y[:32]))
         )
-    finally:
-        keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = compiled(make_mlp(init), loss_terms=loss_terms(kt))
@@ -701,12 +694,9 @@ def main():
     ]:
         model = compiled(make_mlp(init), loss_terms=micro_batch_terms(kt), **options)
         save_case(out, name, model, fit(model, x, y, validation_data=(x[:32], y[:32])))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), loss_terms=micro_batch_terms(kt), micro_batches=3)
         save_case(out, "terms_micro3_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
     model = compiled(with_extra_term(kt, init), loss_terms=loss_terms(kt)[:1], micro_batches=2)
     save_case(out, "extra_term_micro2", model, fit(model, x, y))
 
@@ -724,24 +714,18 @@ def main():
     model = compiled(make_mlp(init), gradient_transforms=logged_transforms(kt))
     save_case(out, "log_norms", model, fit(model, x, y, validation_data=(x[:32], y[:32])))
     report["log_norms_evaluate"] = sorted(model.evaluate(x, y, verbose=0, return_dict=True))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), gradient_transforms=logged_transforms(kt))
         save_case(out, "log_norms_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
 
     # SAM: plain, adaptive on a selection with the clip groups, with
     # micro-batches, with loss terms; on two devices; in mixed precision.
     for name, options in sam_cases(kt).items():
         model = compiled(make_mlp(init), **options)
         save_case(out, name, model, fit(model, x, y))
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-    try:
+    with data_parallel(devices):
         model = compiled(make_mlp(init), **sam_cases(kt)["sam"])
         save_case(out, "sam_data_parallel", model, fit(model, x, y))
-    finally:
-        keras.distribution.set_distribution(None)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = compiled(make_mlp(init), **sam_cases(kt)["sam"])
