@@ -202,7 +202,7 @@ class PrivateGradients:
         if scale is None:  # outside mixed precision a non-finite example counts zero
             with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
                 self.metrics[NONFINITE_METRIC].update_state(nonfinite)
-        regularization, _ = _regularization(model, trainable)
+        regularization, reg_grads = _regularization(model, trainable)
         loss = ops.sum(values) / float(n) + regularization
         if self.accumulating:  # the window weights it by n: its sum; noise at the step
             out = [ops.cast(g / float(n), v.dtype) for g, v in zip(clipped, trainable)]
@@ -210,7 +210,7 @@ class PrivateGradients:
         with updating_metrics(model, metrics_vars, optimizer_state) as metrics_vars:
             samples = float(n) if mask is None else ops.sum(mask)
             self.step_samples.assign(ops.cast(samples, "float32"))
-        out = self._finished(model, clipped, float(n), step, trainable)
+        out = self._finished(model, clipped, float(n), step, reg_grads)
         return out, loss, y_pred, new_non_trainable, metrics_vars
 
     def finish_window(
@@ -244,16 +244,16 @@ class PrivateGradients:
             self.step_samples.assign(ops.cast(samples, "float32"))
         unit = ops.ones((), "float32") if scale is None else ops.cast(scale, "float32")
         sums = [ops.cast(g, "float32") / unit * samples for g in grads]
-        out = self._finished(model, sums, samples, step, trainable)
+        _, reg_grads = _regularization(model, trainable)
+        out = self._finished(model, sums, samples, step, reg_grads)
         return [g * ops.cast(unit, g.dtype) for g in out], metrics_vars
 
     def _finished(
-        self, model: keras.Model, sums: list[Any], samples: Any, step: Any, trainable: Any
+        self, model: keras.Model, sums: list[Any], samples: Any, step: Any, reg_grads: list[Any]
     ) -> list[Any]:
-        """The clipped sums plus noise, divided by `samples`, plus the regularizers' gradient."""
+        """The clipped sums plus noise, divided by `samples`, plus the regularizers' `reg_grads`."""
         noised = self._noised(sums, step)
         divided = [g / samples for g in noised]
-        _, reg_grads = _regularization(model, trainable)
         out = [c if r is None else c + r for c, r in zip(divided, reg_grads)]
         return [ops.cast(g, v.dtype) for g, v in zip(out, model.trainable_variables)]
 
