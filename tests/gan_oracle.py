@@ -244,13 +244,17 @@ class KerasIOConventions(SeededGAN):
 
 def hand_written_loop(generator, discriminator, batches, latent_dim, d_loss, g_loss,
                       d_optimizer, g_optimizer, normal, discriminator_steps=1,
-                      r1_gamma=None, d_grad_fn=None, g_grad_fn=None, jit_compile=False):
+                      r1_gamma=None, d_grad_fn=None, g_grad_fn=None, jit_compile=False,
+                      d_skip_nonfinite=False, d_norms=None):
     """A plain `tf.GradientTape` GAN loop from the papers' formulas.
 
     `d_loss(real_logits, fake_logits)`, `g_loss(fake_logits)`; R1 (when
     `r1_gamma`) adds `gamma / 2 * mean(||grad_x D(x_real)||^2)`. With
     `jit_compile` its step is XLA-compiled like the model's (XLA draws other
     numbers than TensorFlow's kernels from the same stateless seed).
+    `d_skip_nonfinite` skips a discriminator update whose gradient is not
+    finite; `d_norms`, a `tf.Variable` of shape (2,), collects the sum and
+    the count of the finite discriminator gradients' global norms.
     """
     d_optimizer.build(discriminator.trainable_variables)
     g_optimizer.build(generator.trainable_variables)
@@ -274,7 +278,15 @@ def hand_written_loop(generator, discriminator, batches, latent_dim, d_loss, g_l
             grads = tape.gradient(loss, discriminator.trainable_variables)
             if d_grad_fn is not None:
                 grads = d_grad_fn(grads)
-            d_optimizer.apply_gradients(zip(grads, discriminator.trainable_variables))
+            norm = tf.linalg.global_norm(grads)
+            finite = tf.math.is_finite(norm)
+            if d_norms is not None:
+                d_norms.assign_add(tf.where(finite, tf.stack([norm, 1.0]), tf.zeros(2)))
+            if d_skip_nonfinite:
+                tf.cond(finite, lambda: _applied(d_optimizer, grads, discriminator),
+                        lambda: tf.constant(False))
+            else:
+                d_optimizer.apply_gradients(zip(grads, discriminator.trainable_variables))
         z = normal((n, latent_dim))
         with tf.GradientTape() as tape:
             loss = g_loss(discriminator(generator(z, training=True), training=True))
@@ -285,3 +297,8 @@ def hand_written_loop(generator, discriminator, batches, latent_dim, d_loss, g_l
 
     for real in batches:
         step(tf.constant(real))
+
+
+def _applied(optimizer, grads, model):
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return tf.constant(True)

@@ -242,7 +242,7 @@ HAND_LOSSES = {
 
 def hand_pair(loss, penalty=None, r1_gamma=None, steps=2, g_transforms=None,
               d_transforms=None, d_grad_fn=None, g_grad_fn=None, optimizer=sgd,
-              **compile_options):
+              x=None, d_skip_nonfinite=False, d_norms=None, **compile_options):
     gen, disc = mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator")
     ref_gen, ref_disc = copy_of(gen), copy_of(disc)
     gan = SeededGAN(gen, disc, latent_dim=LATENT, loss=loss, discriminator_steps=steps,
@@ -250,14 +250,15 @@ def hand_pair(loss, penalty=None, r1_gamma=None, steps=2, g_transforms=None,
     gan.compile(generator_optimizer=optimizer(), discriminator_optimizer=optimizer(),
                 generator_gradient_transforms=g_transforms,
                 discriminator_gradient_transforms=d_transforms, **compile_options)
-    x = points()
+    x = points() if x is None else x
     history = gan.fit(x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     d_loss, g_loss = HAND_LOSSES[loss]
     hand_written_loop(ref_gen, ref_disc, batches(x), LATENT, d_loss, g_loss,
                       optimizer(), optimizer(), seeded_normal(LATENT_SEED),
                       discriminator_steps=steps, r1_gamma=r1_gamma,
                       d_grad_fn=d_grad_fn, g_grad_fn=g_grad_fn,
-                      jit_compile=compile_options.get("jit_compile", False))
+                      jit_compile=compile_options.get("jit_compile", False),
+                      d_skip_nonfinite=d_skip_nonfinite, d_norms=d_norms)
     return gan, history, (ref_gen, ref_disc)
 
 
@@ -324,6 +325,48 @@ def test_each_player_has_its_own_gradient_transforms():
     assert max_difference((swapped.generator, swapped.discriminator), reference) > 1e-4
 
 
+def test_players_stateful_transforms_gate_log_and_hook():
+    # A NaN example in the second batch: the discriminator's SkipNonFinite
+    # skips both of its updates there (the generator's loss never reads the
+    # real batch, so the generator still steps), as the hand-written loop
+    # that skips non-finite updates; LogGradientNorm logs the mean of the
+    # finite norms; LogUpdateRatio's after_apply hook logs the generator's.
+    x = points()
+    x[11] = np.nan
+    norms = tf.Variable(tf.zeros(2))
+    gan, history, reference = hand_pair(
+        "hinge", x=x, d_skip_nonfinite=True, d_norms=norms,
+        d_transforms=[kt.SkipNonFinite(name="d_skipped"), kt.LogGradientNorm(name="d_norm")],
+        g_transforms=[kt.LogUpdateRatio(name="g_ratio")],
+    )
+    assert_weights_close((gan.generator, gan.discriminator), reference, atol=1e-6)
+    logs = history.history
+    assert logs["d_skipped"] == [2.0]
+    assert int(gan.discriminator_optimizer.iterations) == 2 * 3
+    total, count = norms.numpy()
+    assert count == 6.0
+    np.testing.assert_allclose(logs["d_norm"][0], total / count, rtol=1e-5)
+    assert 0.0 < logs["g_ratio"][0] < 1.0
+    # Training-only logs are not in evaluate().
+    evaluated = gan.evaluate(points(), batch_size=BATCH, verbose=0, return_dict=True)
+    assert sorted(evaluated) == ["discriminator_loss", "generator_loss"]
+    # Without the gate the same data ruins the discriminator (the check can fail).
+    plain, _, _ = hand_pair("hinge", x=x)
+    assert not all(np.isfinite(w).all() for w in plain.discriminator.get_weights())
+
+
+def test_players_logging_under_one_name_is_refused():
+    gan = kt.GAN(mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator"), latent_dim=LATENT)
+    with pytest.raises(ValueError, match=r"`discriminator_gradient_transforms` logs "
+                       r"'skipped_steps', which `generator_gradient_transforms` already"):
+        gan.compile(generator_optimizer="sgd", discriminator_optimizer="sgd",
+                    generator_gradient_transforms=[kt.SkipNonFinite()],
+                    discriminator_gradient_transforms=[kt.SkipNonFinite()])
+    with pytest.raises(ValueError, match=r"logs 'generator_loss', which the GAN's losses"):
+        gan.compile(generator_optimizer="sgd", discriminator_optimizer="sgd",
+                    generator_gradient_transforms=[kt.LogGradientNorm(name="generator_loss")])
+
+
 def test_gan_with_wasserstein_and_the_wgan_penalty_is_wgangp():
     x = points()
     gen, critic = mlp(LATENT, 2, "generator"), mlp(2, 1, "critic")
@@ -384,8 +427,12 @@ def test_mirrored_strategy_equals_single_device(mirrored, conditional):
             disc.set_weights(start[1])
             gan = DataNoiseGAN(gen, disc, latent_dim=LATENT, loss="hinge", discriminator_steps=2,
                                gradient_penalty=kt.R1Penalty(2.0), conditional=conditional)
+            # With the players' stateful transforms: a gate, a log, an after_apply hook.
             gan.compile(generator_optimizer=adam(), discriminator_optimizer=sgd(),
-                        discriminator_gradient_transforms=[Scale(0.5)])
+                        discriminator_gradient_transforms=[
+                            kt.LogGradientNorm(name="d_norm"), Scale(0.5),
+                            kt.SkipNonFinite(name="d_skipped")],
+                        generator_gradient_transforms=[kt.LogUpdateRatio(name="g_ratio")])
         history = gan.fit(x, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
         runs.append((gan, history.history))
     (single, single_logs), (replicated, replicated_logs) = runs
@@ -394,6 +441,9 @@ def test_mirrored_strategy_equals_single_device(mirrored, conditional):
                          (single.generator, single.discriminator), atol=1e-5)
     for name, values in single_logs.items():
         np.testing.assert_allclose(replicated_logs[name], values, atol=1e-5, err_msg=name)
+    assert single_logs.pop("d_skipped") == [0.0]
+    assert single_logs.pop("g_ratio")[0] > 1e-4
+    assert "d_norm" in single_logs
     assert min(abs(v) for values in single_logs.values() for v in values) > 1e-3
 
 

@@ -258,6 +258,7 @@ class GAN(_Step, keras.Model):
             variables = list(player.trainable_variables)
             transforms.append(values)
             bound.append(tuple((t, t.bind(player, variables)) for t in values))
+        self._check_logged_names(bound)
         self._gan_check(bound)  # what the backend's step cannot run, before compiling
         auto_scale_loss = kwargs.pop("auto_scale_loss", True)
         if auto_scale_loss and self.dtype_policy.name == "mixed_float16":
@@ -312,7 +313,33 @@ class GAN(_Step, keras.Model):
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
-        return self._trackers() + self._carried_metrics()
+        return self._trackers() + self._transform_metrics() + self._carried_metrics()
+
+    def _transform_metrics(self) -> list[keras.metrics.Metric]:
+        """What the players' transforms log in training (`kt.LogGradientNorm`, ...)."""
+        players = (
+            self._bound_generator_transforms,
+            getattr(self, f"_bound_{self._role}_transforms"),
+        )
+        return [m for bound in players for _, state in bound for m in state.metrics.values()]
+
+    def _check_logged_names(self, bound: Sequence[Sequence[Any]]) -> None:
+        """Refuses two logs under one name (a transform's metric and a loss, or two players')."""
+        seen = {tracker.name: "the GAN's losses" for tracker in self._trackers()}
+        seen["gradient_penalty"] = "the GAN's losses"
+        roles = ("generator", self._role)
+        for role, argument, pairs in zip(roles, self._transform_arguments, bound):
+            argument = argument or "gradient_transforms"
+            for transform, state in pairs:
+                for name in state.metrics:
+                    if name in seen:
+                        raise ValueError(
+                            f"`{argument}` logs {name!r}, which {seen[name]} already log; "
+                            "give the transform its own name (e.g. "
+                            f"{type(transform).__name__}(name='{role}_{name}')). "
+                            f"Received: {argument}=[..., {transform!r}, ...]"
+                        )
+                    seen[name] = f"`{argument}`"
 
     def _trackers(self) -> list[keras.metrics.Metric]:
         """The logged loss trackers."""

@@ -19,8 +19,11 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops import replicas
+from keras_tapeops import step_gate
 from keras_tapeops import true_gradients
+from keras_tapeops.accumulation.batch_norm import moving_statistics
 from keras_tapeops.transforms.base import apply_in_order
+from keras_tapeops.transforms.base import with_hook
 from keras_tapeops.typing_aliases import Gradient
 from keras_tapeops.typing_aliases import Nested
 
@@ -80,7 +83,7 @@ class TensorFlowGANStep:
         if self.gradient_penalty is not None:
             self.gradient_penalty_tracker.update_state(_unless_empty(penalty, n), sample_weight=n)
         self.generator_loss_tracker.update_state(_unless_empty(generator_loss, n), sample_weight=n)
-        return {m.name: m.result() for m in self.metrics}
+        return {m.name: m.result() for m in self._trackers()}
 
     def discriminator_train_step(
         self, real: Nested, step: int, labels: Nested = None
@@ -88,33 +91,43 @@ class TensorFlowGANStep:
         """One discriminator update; returns the (unscaled) `(loss, penalty)`."""
         optimizer = self._discriminator_optimizer
         variables = self._discriminator.trainable_variables
+        snapshot = _snapshot_if_gated(self, getattr(self, f"_bound_{self._role}_transforms"))
         with tf.GradientTape() as tape:
             loss, penalty = self.discriminator_losses(real, step, True, labels)
             scaled = optimizer.scale_loss(replicas.scale_for_distribution(loss))
         grads = tape.gradient(scaled, variables)
-        self.apply_discriminator_gradients(grads, variables)
+        keep = self.apply_discriminator_gradients(grads, variables)
+        step_gate.restore_unless(keep, snapshot)
         return loss, penalty
 
     def generator_train_step(self, real: Nested, labels: Nested = None) -> Any:
         """One generator update; returns the (unscaled) generator loss."""
         variables = self.generator.trainable_variables
+        bound = self._bound_generator_transforms
+        snapshot = _snapshot_if_gated(self, bound)
         with tf.GradientTape() as tape:
             loss = self.generator_objective(real, True, labels)
             scaled = self.generator_optimizer.scale_loss(replicas.scale_for_distribution(loss))
         grads = tape.gradient(scaled, variables)
-        _apply(self.generator_optimizer, self._bound_generator_transforms, grads, variables)
+        keep = _apply(self.generator_optimizer, bound, grads, variables)
+        step_gate.restore_unless(keep, snapshot)
         return loss
 
     def apply_discriminator_gradients(
         self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
-    ) -> None:
+    ) -> Any:
         """Applies the discriminator's gradients, through its transforms if any.
 
         As in `TapeOpsMixin.apply_optimizer_step`: the transforms see true
         gradients (unscaled, summed once over replicas); a non-finite step
         still reaches a `LossScaleOptimizer` as non-finite so it is skipped.
+        A transform's gate (`kt.SkipNonFinite`) may skip the update, and its
+        `after_apply` hooks (`kt.LogUpdateRatio`) run after it.
+
+        Returns:
+            The gates' decision (a scalar bool tensor), or None without gates.
         """
-        _apply(
+        return _apply(
             self._discriminator_optimizer,
             getattr(self, f"_bound_{self._role}_transforms"),
             grads,
@@ -123,15 +136,23 @@ class TensorFlowGANStep:
 
 
 def _apply(optimizer, bound, grads, variables):
+    """One player's update through its bound transforms; returns the gates' decision."""
     if not bound:
         optimizer.apply_gradients(zip(grads, variables))
-        return
-    true_gradients.apply_transformed(
+        return None
+    return true_gradients.apply_transformed(
         optimizer,
         grads,
         variables,
         transform=lambda g, v: apply_in_order(bound, g, v),
+        keep_step=step_gate.keep_step_function(bound),
+        after_apply=step_gate.after_apply_function(bound, variables),
     )
+
+
+def _snapshot_if_gated(model, bound):
+    """Both players' moving statistics, read before an update a gate may skip."""
+    return moving_statistics(model) if with_hook(bound, "keep_step") else []
 
 
 def _unless_empty(value, n):

@@ -161,14 +161,18 @@ class WGANGP(GAN):
 
     def apply_discriminator_gradients(
         self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
-    ) -> None:
-        self.apply_critic_gradients(grads, variables)
+    ) -> Any:
+        return self.apply_critic_gradients(grads, variables)
 
     def apply_critic_gradients(
         self, grads: Sequence[Gradient], variables: Sequence[keras.Variable]
-    ) -> None:
-        """Applies the critic's gradients, through the gradient transforms if any."""
-        GAN.apply_discriminator_gradients(self, grads, variables)
+    ) -> Any:
+        """Applies the critic's gradients, through the gradient transforms if any.
+
+        Returns:
+            The transforms' gates' decision (a scalar bool tensor), or None.
+        """
+        return GAN.apply_discriminator_gradients(self, grads, variables)
 
     # WGANGP's own signature, kept from before it shared `kt.GAN`'s step.
     def sample_latent(  # type: ignore[override]
