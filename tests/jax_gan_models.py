@@ -126,13 +126,44 @@ def hinge_gan():
     return gan
 
 
-def compared_cases(y):
-    """`(name, build, targets)` of the GAN runs both backends make and compare."""
+def stateful_gan():
+    """SeededGAN, hinge, 2 discriminator steps; the players' stateful transforms.
+
+    The discriminator (Adam) logs its gradient norm, skips non-finite
+    updates and clips; the generator logs its update ratio (an `after_apply`
+    hook). Trained on `nan_points()`.
+    """
+    generator, critic = networks(seed=16)
+    gan = SeededGAN(generator, critic, latent_dim=2, loss="hinge", discriminator_steps=2)
+    gan.compile(
+        generator_optimizer=keras.optimizers.SGD(0.05),
+        discriminator_optimizer=keras.optimizers.Adam(0.01),
+        generator_gradient_transforms=[kt.LogUpdateRatio(name="g_ratio")],
+        discriminator_gradient_transforms=[
+            kt.LogGradientNorm(name="d_norm"),
+            kt.SkipNonFinite(name="d_skipped"),
+            kt.ClipByNorm(0.3),
+        ],
+    )
+    return gan
+
+
+def nan_points():
+    """`points()` with a nan in the second batch (its discriminator updates are skipped)."""
+    x = points()
+    x[GAN_BATCH + 3, 0] = np.nan
+    return x
+
+
+def compared_cases():
+    """`(name, build, x, targets)` of the GAN runs both backends make and compare."""
+    x, y = points(), labels()
     return [
-        ("gan_wgangp", wgangp, None),
-        ("gan_r1", r1_gan, None),
-        ("gan_conditional", conditional_gan, y),
-        ("gan_hinge", hinge_gan, None),
+        ("gan_wgangp", wgangp, x, None),
+        ("gan_r1", r1_gan, x, None),
+        ("gan_conditional", conditional_gan, x, y),
+        ("gan_hinge", hinge_gan, x, None),
+        ("gan_stateful", stateful_gan, nan_points(), None),
     ]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import keras_tapeops as kt
-from jax_gan_models import compared_cases, fit_gan, labels, points, r1_gan
+from jax_gan_models import compared_cases, fit_gan, points, r1_gan
 from jax_models import (
     compile_mixed_stop,
     BATCH,
@@ -831,19 +831,22 @@ def _gan_weights(out, name):
 @pytest.fixture(scope="module")
 def tf_gans():
     """The TensorFlow runs of the GAN cases (same weights, batches and draws)."""
-    x, y = points(), labels()
     runs = {}
-    for name, make, targets in compared_cases(y):
+    for name, make, x, targets in compared_cases():
         gan = make()
         history = fit_gan(gan, x, targets)
         runs[name] = (gan.get_weights(), history)
     return runs
 
 
-@pytest.mark.parametrize("name", ["gan_wgangp", "gan_r1", "gan_conditional", "gan_hinge"])
+@pytest.mark.parametrize(
+    "name", ["gan_wgangp", "gan_r1", "gan_conditional", "gan_hinge", "gan_stateful"]
+)
 def test_gan_equals_tensorflow(runs, tf_gans, name):
     # WGANGP (2 critic steps, penalty, clipped critic), R1 with Adam and a
-    # clipped generator, a conditional hinge GAN: the same weights and
+    # clipped generator, a conditional hinge GAN, the players' stateful
+    # transforms on data with a nan (a gate skipping the discriminator's
+    # updates, a logged norm, an after_apply hook): the same weights and
     # History as TensorFlow.
     out, _ = runs
     weights, history = tf_gans[name]
@@ -867,9 +870,12 @@ def test_gan_equals_the_hand_written_jax_loop(runs):
 def test_gan_on_two_devices_and_in_mixed_precision(runs):
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
-    for name in ("gan_wgangp", "gan_r1"):
+    for name in ("gan_wgangp", "gan_r1", "gan_stateful"):
         one = _gan_weights(out, name)
         assert _max_diff(_gan_weights(out, f"{name}_data_parallel"), one) <= 1e-6, name
+    stateful = np.load(out / "gan_stateful.npz")
+    assert list(stateful["h_d_skipped"]) == [2.0, 2.0]  # the nan batch, each epoch
+    assert all(np.all(np.isfinite(w)) for w in _gan_weights(out, "gan_stateful"))
     assert report["gan_mixed_optimizer"] == "LossScaleOptimizer"
     mixed = _gan_weights(out, "gan_r1_mixed")
     assert all(np.all(np.isfinite(w)) for w in mixed)
@@ -909,7 +915,7 @@ def test_gan_default_noise_and_refusals(runs):
     )
     assert "Received: TapeHook.discriminator_train_step" in report["gan_hook_refusal"]
     assert report["gan_transform_refusal"].startswith(
-        "A GAN player's gradient transform LogGradientNorm keeps training state"
+        "A GAN player's kt.SkipNonFinite(max_consecutive=...) stops training"
     )
 
 

@@ -38,11 +38,13 @@ from keras import ops
 
 from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.carried import CarriedState
+from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax.mixin import _restoring_state_on_error
 from keras_tapeops.penalty_norm import per_sample_norm
 from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
+from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.typing_aliases import Nested
 
 #: The TensorFlow step's hooks (a `tf.GradientTape` each); the JAX step does not call them.
@@ -115,11 +117,19 @@ class _NoiseSteps(CarriedState):
 
 
 class _Noise:
-    """The GAN's noise seed and step counter (a plain holder: not saved, not a layer)."""
+    """The GAN's noise seed, step counter and the players' transforms' state.
 
-    def __init__(self, seed: int) -> None:
+    A plain holder (not saved, not a layer): the step carries the counter
+    and the transforms' variables (e.g. `kt.SkipNonFinite`'s count of
+    skipped updates in a row) with the metrics.
+    """
+
+    def __init__(self, seed: int, transform_variables: Sequence[Any] = ()) -> None:
         self.seed = seed
         self.steps = _NoiseSteps()
+        self.transform_state = (
+            TransformVariables(transform_variables) if transform_variables else None
+        )
 
 
 class _StepNoise:
@@ -228,11 +238,14 @@ def _per_sample(alpha: Any, tensor: Any) -> Any:
 class _StepValues:
     """This step's variable values, updated player by player."""
 
-    def __init__(self, model: Any, trainable: Any, non_trainable: Any, optimizer: Any) -> None:
+    def __init__(
+        self, model: Any, trainable: Any, non_trainable: Any, optimizer: Any, metrics: Any
+    ) -> None:
         self.model = model
         self.trainable = list(trainable)
         self.non_trainable = list(non_trainable)
         self.optimizer = list(optimizer)
+        self.metrics = list(metrics)
 
     def mapping(self, trainable: list[Any]) -> list[tuple[Any, Any]]:
         model = self.model
@@ -249,7 +262,14 @@ class _StepValues:
         bound: Sequence[Any],
         losses: Callable[[], tuple[Any, Any]],
     ) -> tuple[Any, Any]:
-        """One update of `player` (0: generator, 1: discriminator); returns `losses()`."""
+        """One update of `player` (0: generator, 1: discriminator); returns `losses()`.
+
+        The player's transforms see its true gradients; a gate that says
+        False (`kt.SkipNonFinite`) skips the update: the player's weights and
+        optimizer state, and the moving statistics the update's forward pass
+        changed, stay as they were. What the transforms log and carry is
+        updated in `self.metrics`.
+        """
         model = self.model
         optimizer = model.optimizer.optimizers[which]
         where = model.optimizer.slices()[which]
@@ -269,18 +289,36 @@ class _StepValues:
             ]
             return scaled, (loss, extra, updated)
 
-        (_, (loss, extra, self.non_trainable)), grads = jax.value_and_grad(
-            scaled_loss, has_aux=True
-        )(values)
+        non_trainable = self.non_trainable
+        (_, (loss, extra, updated)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(values)
         optimizer_values = self.optimizer[where]
-        grads = _true_transformed(optimizer, optimizer_values, bound, list(grads), values)
+        optimizer_state = list(zip(optimizer.variables, optimizer_values))
+        with jax_loss.updating_metrics(model, self.metrics, optimizer_state) as metrics:
+            grads, keep = _true_transformed(optimizer, optimizer_values, bound, list(grads), values)
         new_values, new_optimizer_values = optimizer.stateless_apply(
             optimizer_values, grads, values
         )
+        if keep is not None:
+            if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                # (a LossScaleOptimizer skipped it itself: an overflow)
+                new_values = _where(keep, new_values, values)
+                new_optimizer_values = _where(keep, new_optimizer_values, optimizer_values)
+            updated = _where(keep, updated, non_trainable)
+        self.non_trainable = list(updated)
+        with jax_loss.updating_metrics(model, metrics, optimizer_state) as self.metrics:
+            for transform, state in with_hook(bound, "after_apply"):
+                previous = None
+                if transform.needs_previous_values:
+                    previous = [w if on else None for w, on in zip(values, state.selected)]
+                transform.after_apply(list(new_values), previous, state)
         for i, value in zip(positions, new_values):
             self.trainable[i] = value
         self.optimizer[where] = list(new_optimizer_values)
         return loss, extra
+
+
+def _where(keep: Any, new: Sequence[Any], old: Sequence[Any]) -> list[Any]:
+    return [ops.where(keep, n, o) for n, o in zip(new, old)]
 
 
 def _positions(variables: Sequence[Any], subset: Sequence[Any]) -> list[int]:
@@ -299,25 +337,44 @@ def _true_transformed(
     bound: Sequence[Any],
     grads: list[Any],
     values: list[Any],
-) -> list[Any]:
+) -> tuple[list[Any], Any]:
     """The player's transforms on its true gradients (see `TapeOpsMixin`'s JAX step).
 
     Under a LossScaleOptimizer (or a static `loss_scale_factor`): unscaled,
     transformed, scaled again (exact for a power of two); under a
     LossScaleOptimizer a non-finite step reaches it untransformed, so it is
-    skipped as an overflow, as on TensorFlow.
+    skipped as an overflow, as on TensorFlow, and so does a step a gate
+    skips (its gradients are made nan).
+
+    Returns:
+        `(grads, keep)`: `keep` is the AND of the gates' `keep_step`
+        decisions on the true gradients (None without gates).
     """
     if not bound:
-        return grads
+        return grads, None
     scale = jax_loss.loss_scale(optimizer, optimizer_values)
     true = grads if scale is None else [g / ops.cast(scale, g.dtype) for g in grads]
+    keep = _keep_step(bound, true, values)
     new = apply_in_order(bound, true, values)
-    if scale is None:
-        return new
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in true]))
         new = [ops.where(finite, n, t) for n, t in zip(new, true)]
-    return [n * ops.cast(scale, t.dtype) for n, t in zip(new, true)]
+        if keep is not None:
+            new = [ops.where(keep, n, float("nan")) for n in new]
+    if scale is None:
+        return new, keep
+    return [n * ops.cast(scale, t.dtype) for n, t in zip(new, true)], keep
+
+
+def _keep_step(bound: Sequence[Any], grads: list[Any], values: list[Any]) -> Any:
+    """The AND of the bound gates' decisions (None without a gate)."""
+    keep = None
+    for transform, state in with_hook(bound, "keep_step"):
+        decision = transform.keep_step(grads, values, state)
+        if decision is not None:
+            decision = ops.cast(decision, "bool")
+            keep = decision if keep is None else ops.logical_and(keep, decision)
+    return keep
 
 
 def _unless_empty(value: Any, n: Any) -> Any:
@@ -356,7 +413,7 @@ class JaxGANStep:
         """
         _refuse_tensorflow_hooks(type(self))
         for pairs in bound:
-            _refuse_stateful_transforms(pairs)
+            _refuse_stopping_transforms(pairs)
 
     def _gan_compiled(self) -> None:
         """Sets `optimizer` to both players' (the state group Keras's JAX step carries).
@@ -370,11 +427,18 @@ class JaxGANStep:
             (self.generator, self._discriminator),
         )
         seed = keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator())
-        object.__setattr__(self, "_tapeops_noise", _Noise(int(seed)))
+        players = (
+            self._bound_generator_transforms,
+            getattr(self, f"_bound_{self._role}_transforms"),
+        )
+        carried = [v for bound in players for _, state in bound for v in state.variables.values()]
+        object.__setattr__(self, "_tapeops_noise", _Noise(int(seed), carried))
 
     def _carried_metrics(self) -> list[Any]:
         noise = getattr(self, "_tapeops_noise", None)
-        return [] if noise is None else [noise.steps]
+        if noise is None:
+            return []
+        return [noise.steps] + ([noise.transform_state] if noise.transform_state else [])
 
     def make_train_function(self, force: bool = False) -> Any:
         """Keras's, wrapped so a step that fails while traced leaves the weights in place."""
@@ -401,7 +465,7 @@ class JaxGANStep:
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         real, labels = self._unpack(data)
         n = static_batch_size(real)
-        values = _StepValues(self, trainable, non_trainable, optimizer_vars)
+        values = _StepValues(self, trainable, non_trainable, optimizer_vars, metrics_vars)
         steps = self._tapeops_noise.steps.count
         with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_vars))):
             step = ops.convert_to_tensor(steps)
@@ -423,7 +487,7 @@ class JaxGANStep:
                 getattr(self, "_bound_generator_transforms"),
                 lambda: (self.generator_objective(real, True, labels), None),
             )
-        with jax_loss.updating_metrics(self, metrics_vars) as metrics_vars:
+        with jax_loss.updating_metrics(self, values.metrics) as metrics_vars:
             steps.assign(step + 1.0)
             # One tracker update per batch, as on TensorFlow.
             self._discriminator_tracker.update_state(
@@ -436,7 +500,7 @@ class JaxGANStep:
             self.generator_loss_tracker.update_state(
                 _unless_empty(generator_loss, n), sample_weight=n
             )
-            logs = {m.name: m.result() for m in self._trackers()}
+            logs = {m.name: m.result() for m in self._trackers() + self._transform_metrics()}
         new_state = (values.trainable, values.non_trainable, values.optimizer, metrics_vars)
         return logs, new_state
 
@@ -482,16 +546,14 @@ def _refuse_tensorflow_hooks(cls: type) -> None:
                 )
 
 
-def _refuse_stateful_transforms(bound: Sequence[Any]) -> None:
-    """A player's transform with training state, metrics or hooks is not on JAX yet."""
-    gated = {id(t) for t, _ in with_hook(bound, "keep_step") + with_hook(bound, "after_apply")}
-    for transform, state in bound:
-        if state.variables or state.metrics or id(transform) in gated:
+def _refuse_stopping_transforms(bound: Sequence[Any]) -> None:
+    """`kt.SkipNonFinite(max_consecutive=...)` needs a check between steps the GAN lacks."""
+    for transform, _ in bound:
+        if isinstance(transform, SkipNonFinite) and transform.max_consecutive is not None:
             raise ValueError(
-                f"A GAN player's gradient transform {type(transform).__name__} keeps "
-                "training state, logs a metric or gates the step, which the GAN step "
-                "on the JAX backend does not carry yet; stateless transforms "
-                "(ClipByNorm, ClipByGlobalNorm, ClipByValue, AdaptiveClip, "
-                "CentralizeGradients, your own) are available. Use "
-                f"KERAS_BACKEND=tensorflow for it. Received: {transform!r}"
+                "A GAN player's kt.SkipNonFinite(max_consecutive=...) stops training "
+                "from inside the step on TensorFlow; the GAN step on the JAX backend "
+                "does not carry that stop yet. Use SkipNonFinite() without "
+                "max_consecutive (steps are still skipped and counted), or "
+                f"KERAS_BACKEND=tensorflow. Received: {transform!r}"
             )
