@@ -35,6 +35,7 @@ from keras_tapeops.terms.base import Term  # noqa: E402
 from keras_tapeops.terms.base import TermContext  # noqa: E402
 from keras_tapeops.terms.custom import LossTerm  # noqa: E402
 from keras_tapeops.terms.penalty import GradientPenalty  # noqa: E402
+from keras_tapeops.penalty import gradient_penalty  # noqa: E402
 from keras_tapeops.sam import SAM  # noqa: E402
 from keras_tapeops import privacy  # noqa: E402  (kt.privacy.epsilon, ...; poisson_batches on TF)
 from keras_tapeops.privacy.dpsgd import DPSGD  # noqa: E402
@@ -64,7 +65,6 @@ if TYPE_CHECKING or _BACKEND == "tensorflow":
     from keras_tapeops import attribution  # noqa: E402  (kt.attribution.saliency, ...)
     from keras_tapeops import meta  # noqa: E402  (kt.meta.InnerSGD)
     from keras_tapeops.meta import MetaLearner  # noqa: E402
-    from keras_tapeops.penalty import gradient_penalty  # noqa: E402
     from keras_tapeops.second_order import hessian_vector_product  # noqa: E402
     from keras_tapeops.second_order import top_hessian_eigenvalue  # noqa: E402
     from keras_tapeops.terms.adversarial import TRADES  # noqa: E402

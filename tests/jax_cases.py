@@ -38,6 +38,7 @@ import keras_tapeops as kt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from jax_gan_cases import gan_cases  # noqa: E402
+from jax_penalty_cases import penalty_function_cases  # noqa: E402
 from jax_models import (  # noqa: E402
     compile_mixed_stop,
     DP_CLIP,
@@ -788,6 +789,7 @@ def main():
     privacy_cases(out, init, x, y, report)
     training_state_cases(out, init, x, y, report)
     gan_cases(out, report)
+    penalty_function_cases(out, report)
     budget_cases(report)
 
     # Refusals: each option the JAX step lacks, named with the backend.

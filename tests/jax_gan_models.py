@@ -171,3 +171,21 @@ def fit_gan(gan, x, y=None, epochs=GAN_EPOCHS):
     return gan.fit(
         x, y, batch_size=GAN_BATCH, epochs=epochs, shuffle=False, verbose=0
     ).history
+
+
+def penalty_critic():
+    """An MLP critic (2 -> 5 tanh -> 1) with fixed NumPy weights, for `kt.gradient_penalty`."""
+    critic = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(1)],
+        name="penalty_critic",
+    )
+    critic.set_weights(_weights([w.shape for w in critic.get_weights()], seed=20))
+    return critic
+
+
+def penalty_inputs():
+    """`(real, fake, alpha)`: 16 samples of 2 features and one alpha per sample."""
+    rng = np.random.default_rng(21)
+    real = rng.normal(size=(16, 2)).astype("float32")
+    fake = rng.normal(size=(16, 2)).astype("float32")
+    return real, fake, rng.uniform(size=(16,)).astype("float32")

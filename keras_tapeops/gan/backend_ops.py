@@ -11,12 +11,14 @@ gradients from `jax.grad`.
 from __future__ import annotations
 
 from typing import Any
-from typing import Callable
 from typing import Sequence
 
 import keras
 
+from keras_tapeops.input_gradients import input_gradients
 from keras_tapeops.split_sizes import static_batch_size
+
+__all__ = ["batch_size", "input_gradients", "normal", "uniform"]
 
 
 def _on_jax() -> bool:
@@ -52,34 +54,3 @@ def uniform(model: keras.Model, shape: Sequence[Any]) -> Any:
     import tensorflow as tf
 
     return tf.random.uniform(shape, 0.0, 1.0)
-
-
-def input_gradients(
-    function: Callable[[list[Any]], Any], inputs: list[Any], restore: Sequence[Any] = ()
-) -> list[Any]:
-    """The gradients of the sum of `function(inputs)`'s outputs w.r.t. `inputs`.
-
-    Differentiable w.r.t. the weights `function` reads (double backprop).
-
-    Args:
-        function: maps the list `inputs` to a tensor or a structure of tensors.
-        inputs: a list of float tensors.
-        restore: variables whose updates inside `function` are dropped on
-            JAX (the discriminator's moving statistics: the penalty's own
-            forward pass does not train them there).
-
-    Returns:
-        One gradient per input (None where the outputs do not depend on it).
-    """
-    if _on_jax():
-        from keras_tapeops.backend.jax import gan as jax_gan
-
-        return jax_gan.input_gradients(function, inputs, restore)
-    import tensorflow as tf
-
-    flat = [tf.convert_to_tensor(t) for t in inputs]
-    with tf.GradientTape() as tape:
-        tape.watch(flat)
-        outputs = function(flat)
-    # A list of targets is differentiated as their sum.
-    return tape.gradient(tf.nest.flatten(outputs), flat)

@@ -22,6 +22,8 @@ from keras import ops
 from keras_tapeops import validation
 from keras_tapeops.config_repr import ConfigRepr
 from keras_tapeops.gan import backend_ops
+from keras_tapeops.penalty import gradient_penalty
+from keras_tapeops.penalty import interpolated_penalty
 from keras_tapeops.registration import register
 from keras_tapeops.transforms.clipping import add_n
 from keras_tapeops.typing_aliases import Nested
@@ -161,16 +163,12 @@ class WGANGradientPenalty(DiscriminatorPenalty):
         alpha: Any = None,
         training: bool = True,
     ) -> Any:
-        if keras.backend.backend() == "jax":
-            from keras_tapeops.backend.jax.gan import interpolated_penalty
-
-            return interpolated_penalty(
-                discriminator, real, fake, alpha, self.target, training, _statistics(discriminator)
+        if alpha is None:
+            return gradient_penalty(
+                discriminator, real, fake, target=self.target, training=training
             )
-        from keras_tapeops.penalty import gradient_penalty
-
-        return gradient_penalty(
-            discriminator, real, fake, alpha=alpha, target=self.target, training=training
+        return interpolated_penalty(
+            discriminator, real, fake, alpha, self.target, training, _statistics(discriminator)
         )
 
     def get_config(self) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.carried import CarriedState
 from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax.mixin import _restoring_state_on_error
-from keras_tapeops.penalty_norm import per_sample_norm
 from keras_tapeops.split_sizes import static_batch_size
 from keras_tapeops.transforms.base import apply_in_order
 from keras_tapeops.transforms.base import with_hook
@@ -199,40 +198,6 @@ def input_gradients(
         variable.assign(value)
     it = iter(grads)
     return [next(it) if f else None for f in floating]
-
-
-def interpolated_penalty(
-    discriminator: Callable[..., Any],
-    real: Nested,
-    fake: Nested,
-    alpha: Any,
-    target: float,
-    training: bool,
-    restore: Sequence[Any] = (),
-) -> Any:
-    """`mean((||grad D(x_hat)|| - target)^2)`, `x_hat = real + alpha (fake - real)` (JAX).
-
-    What `kt.gradient_penalty` computes on TensorFlow, for
-    `kt.WGANGradientPenalty` on JAX.
-    """
-    flat_real = [ops.convert_to_tensor(t) for t in keras.tree.flatten(real)]
-    flat_fake = [ops.cast(f, r.dtype) for r, f in zip(flat_real, keras.tree.flatten(fake))]
-    if alpha is None:
-        alpha = keras.random.uniform((ops.shape(flat_real[0])[0],))
-    interpolated = [r + _per_sample(alpha, r) * (f - r) for r, f in zip(flat_real, flat_fake)]
-
-    def scores(flat: list[Any]) -> Any:
-        return discriminator(keras.tree.pack_sequence_as(real, flat), training=training)
-
-    norm = per_sample_norm(input_gradients(scores, interpolated, restore))
-    return ops.mean(ops.square(norm - ops.cast(target, "float32")))
-
-
-def _per_sample(alpha: Any, tensor: Any) -> Any:
-    alpha = ops.cast(alpha, tensor.dtype)
-    if len(alpha.shape) == 1 and len(tensor.shape) > 1:
-        alpha = ops.reshape(alpha, (-1,) + (1,) * (len(tensor.shape) - 1))
-    return alpha
 
 
 class _StepValues:
