@@ -194,12 +194,45 @@ def accumulation_cases(out, init, x, y, report):
         save_case(out, "accumulation3_mixed", model, fit(model, x, y))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    # Windows normalized by the sum of the sample weights and by the
+    # unmasked entries: 3 batches make the step stock Keras takes on their
+    # concatenation (stock fit with 3x the batch: windows 3 + 1 flushed).
+    weighted = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    for name, window, batch, weights in [
+        ("weighted", 3, BATCH, sample_weights()),
+        ("weighted_stock", None, 3 * BATCH, sample_weights()),
+        ("unweighted_stock", None, 3 * BATCH, None),
+    ]:
+        model = make_mlp(init, upgrade=window is not None)
+        options = {} if window is None else {"accumulation_steps": window}
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=weighted, **options)
+        history = model.fit(
+            x, y, sample_weight=weights, batch_size=batch, epochs=EPOCHS,
+            shuffle=False, verbose=0,
+        )
+        save_case(out, f"accumulation3_{name}", model, {"loss": history.history["loss"]})
+    mx, my = masked_data()
+    for name, window, batch, reduction in [
+        ("masked", 3, 4, "sum_over_batch_size"),
+        ("masked_stock", None, 12, "sum_over_batch_size"),
+        ("masked_weighted", 3, 4, "mean_with_sample_weight"),
+        ("masked_weighted_stock", None, 12, "mean_with_sample_weight"),
+    ]:
+        model = make_masked()
+        options = {} if window is None else {"accumulation_steps": window}
+        model.compile(
+            optimizer=keras.optimizers.SGD(LR),
+            loss=keras.losses.MeanSquaredError(reduction=reduction),
+            **options,
+        )
+        model.fit(mx, my, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+        save_case(out, f"accumulation3_{name}", model, {})
     # What the window cannot weight exactly is refused before any weight changes.
     refusals = {}
     for name, make, loss, kwargs in [
         (
-            "weighted",
-            make_mlp,
+            "weighted_terms",
+            lambda w: with_extra_term(kt, w),  # a compute_terms override: loss terms
             keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
             {"sample_weight": sample_weights()},
         ),

@@ -20,11 +20,13 @@ end of an epoch is applied (averaged over its samples) before validation and
 before the other callbacks' `on_epoch_end`, and every epoch starts a fresh
 window.
 
-What the window cannot weight exactly is refused by name while the first step
-is traced, before any weight changes: a `"mean_with_sample_weight"` loss with
-sample weights, a masked output under a mean reduction, and a `"sum"` loss
-with regularization losses (its normalizer is known only after the window's
-last batch, as on TensorFlow).
+A `"mean_with_sample_weight"` loss with sample weights and a masked output
+weight their batches by the sum of the weights and the unmasked entries (one
+output, one loss). What the window cannot weight exactly is refused by name
+while the first step is traced, before any weight changes: those next to
+another output, loss terms or DP-SGD, and a `"sum"` loss with regularization
+losses (its normalizer is known only after the window's last batch, as on
+TensorFlow).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import keras
 from keras import ops
 
 from keras_tapeops._keras import jax_trainer
-from keras_tapeops._keras import masking
 from keras_tapeops.accumulation.reduction_kinds import MEAN_REDUCTIONS
 from keras_tapeops.accumulation.reduction_kinds import named_losses
 from keras_tapeops.accumulation.reduction_kinds import refuse_mixed_window
 from keras_tapeops.backend.jax.carried import CarriedState
+from keras_tapeops.hook_overrides import overrides
+from keras_tapeops.split_sizes import static_batch_size
 
 #: `apply(grads, trainable, optimizer_vars, metrics_vars, samples) ->
 #: (trainable, optimizer_vars, metrics_vars)`: the step's transforms and
@@ -112,10 +115,25 @@ class AccumulationWindow(CarriedState):
             variable.assign(ops.zeros(variable.shape, variable.dtype))
 
     # ------------------------------------------------------------ train step
-    def check_batch(
-        self, model: keras.Model, state: tuple[Any, Any], x: Any, sample_weight: Any, y_pred: Any
-    ) -> None:
-        """Raises ValueError (at trace time) for a batch the window cannot weight.
+    def batch_normalizer(
+        self,
+        model: keras.Model,
+        state: tuple[Any, Any],
+        x: Any,
+        sample_weight: Any,
+        y_pred: Any,
+        masks: Sequence[Any],
+    ) -> Any:
+        """The batch's normalizer `d_j`, what Keras divides its loss by (up to a constant).
+
+        The sample count for the mean reductions; 1 for `"sum"`; the sum of
+        the sample weights for a `"mean_with_sample_weight"` loss with
+        sample weights; the number of unmasked entries for a masked output
+        (as TensorFlow's window reads them). The last two are taken for a
+        model with one output and one loss, without loss terms or DP-SGD
+        (their pieces would need two normalizers); otherwise, and for a
+        `"sum"` loss with regularization losses, raises ValueError while the
+        first step is traced, before any weight changes.
 
         Args:
             model: the model (its forward pass is probed for regularization
@@ -123,38 +141,49 @@ class AccumulationWindow(CarriedState):
             state: the step's `(trainable, non_trainable)` values.
             x: the batch's inputs.
             sample_weight: the batch's sample weights (or None).
-            y_pred: the batch's predictions (masks are read from them).
+            y_pred: the batch's predictions.
+            masks: the outputs' Keras masks (None for an unmasked output),
+                read inside the traced loss (`jax_loss.output_masks`).
+
+        Returns:
+            A float or a float32 scalar tensor.
         """
         named = dict(self.named_reductions)
         if self.kind == "unit":
             if _has_forward_losses(model, state, x):
                 raise refuse_mixed_window(self.steps, named, "regularization losses")
-            return
-        if sample_weight is not None:
-            weighted = {n: r for n, r in named.items() if r == "mean_with_sample_weight"}
-            if weighted:
-                raise _refuse(
-                    self.steps,
-                    named,
-                    "a 'mean_with_sample_weight' loss with sample weights (its window is "
-                    "normalized by the sum of the weights of all its batches)",
-                )
-        means = {n: r for n, r in named.items() if r in MEAN_REDUCTIONS}
-        masked = any(
-            masking.keras_mask(t) is not None for t in keras.tree.flatten(y_pred) if t is not None
+            return 1.0
+        outputs = [t for t in keras.tree.flatten(y_pred) if t is not None]
+        reductions = set(named.values())
+        weighted = sample_weight is not None and "mean_with_sample_weight" in reductions
+        masked = any(m is not None for m in masks)
+        if not (weighted or masked):
+            return float(static_batch_size(x))
+        what = (
+            "a masked output (normalized by its unmasked entries)"
+            if masked
+            else "a 'mean_with_sample_weight' loss with sample weights (normalized by the "
+            "sum of the weights)"
         )
-        if means and masked:
-            raise _refuse(
-                self.steps,
-                named,
-                "a masked output under a mean reduction (normalized by its unmasked entries)",
-            )
+        state_ = getattr(model, "tapeops_state", None)
+        terms = bool(model.tapeops_options.loss_terms) or overrides(model, "compute_terms")
+        private = state_ is not None and state_.privacy is not None
+        if len(outputs) != 1 or len(named) != 1 or terms or private or (weighted and masked):
+            others = "more than one output or loss, loss terms, DP-SGD, or sample weights too"
+            raise _refuse(self.steps, named, f"{what} next to {others}")
+        if weighted:
+            (weights,) = [w for w in keras.tree.flatten(sample_weight) if w is not None]
+            return ops.sum(ops.cast(weights, "float32"))
+        valid = ops.sum(ops.cast(masks[0], "float32"))
+        # Keras divides a mean-reduced masked loss by `valid + epsilon`.
+        return valid + keras.backend.epsilon() if reductions <= set(MEAN_REDUCTIONS) else valid
 
     def step(
         self,
         model: keras.Model,
         grads: Sequence[Any],
         n: int,
+        weight: Any,
         trainable: list[Any],
         optimizer_vars: list[Any],
         metrics_vars: list[Any],
@@ -165,6 +194,7 @@ class AccumulationWindow(CarriedState):
             model: the model (its `metrics_variables` hold the window's).
             grads: the batch's (loss-scaled, global) gradients.
             n: the batch's sample count.
+            weight: the batch's normalizer (`batch_normalizer`).
             trainable, optimizer_vars, metrics_vars: the step's state values.
 
         Returns:
@@ -173,7 +203,6 @@ class AccumulationWindow(CarriedState):
         positions = _positions(model, self.window_variables)
         current = [metrics_vars[i] for i in positions]
         sums, (samples, normalizer, batches) = current[:-3], current[-3:]
-        weight = 1.0 if self.kind == "unit" else float(n)
         sums = [
             s if g is None else s + ops.cast(g, s.dtype) * ops.cast(weight, s.dtype)
             for s, g in zip(sums, grads)

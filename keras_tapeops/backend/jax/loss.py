@@ -27,6 +27,7 @@ from keras_tapeops import capture
 from keras_tapeops._keras import jax_trainer
 from keras_tapeops.backend.jax.micro_batches import micro_batch_forward
 from keras_tapeops.backend.jax.micro_batches import micro_batch_scan
+from keras_tapeops._keras import masking
 from keras_tapeops.hook_overrides import overrides
 from keras_tapeops.terms.base import Term
 from keras_tapeops.terms.base import TermContext
@@ -69,7 +70,7 @@ def loss_function(
     Returns:
         `f(trainable, non_trainable, metrics, x, y, sample_weight,
         optimizer_vars) -> (scaled_loss, (unscaled_loss, y_pred,
-        non_trainable, metrics, term_values))`.
+        non_trainable, metrics, term_values, output_masks))`.
 
     Example:
     ```python
@@ -131,9 +132,21 @@ def loss_function(
             mapping = list(zip(model.optimizer.variables, optimizer_vars))
             with keras.StatelessScope(state_mapping=mapping):
                 loss = model.optimizer.scale_loss(loss)
-        return loss, (unscaled, y_pred, new_non_trainable, metrics, values[: len(terms)])
+        aux = (unscaled, y_pred, new_non_trainable, metrics, values[: len(terms)])
+        return loss, (*aux, output_masks(y_pred))
 
     return compute
+
+
+def output_masks(y_pred: Any) -> list[Any]:
+    """The Keras mask of each output (None where it has none), read inside the trace.
+
+    A JAX array's mask lives in a table keyed by the array, so it is lost
+    once the predictions leave `jax.value_and_grad` as aux values; the step
+    returns the masks themselves (the accumulation window's normalizer
+    counts their unmasked entries).
+    """
+    return [masking.keras_mask(t) for t in keras.tree.flatten(y_pred) if t is not None]
 
 
 def _recorded_forward(forward, layers, wants_input_gradients, trainable, non_trainable, x):

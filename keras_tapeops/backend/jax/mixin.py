@@ -305,7 +305,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         Keras's own `compute_loss_and_updates`, or, with loss terms or
         `micro_batches > 1` (training), `backend/jax/loss.py`'s loss over
         the forward pass or the micro-batch scan. Its aux output ends with
-        the terms' weighted values.
+        the terms' weighted values and the outputs' Keras masks.
         """
         options = self.tapeops_options
         split = training and options is not None and options.micro_batches > 1
@@ -322,7 +322,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                     training=training,
                     optimizer_variables=optimizer_vars,
                 )
-                return loss, (*aux, [])
+                return loss, (*aux, [], jax_loss.output_masks(aux[1]))
 
             return stock
         k = 1
@@ -420,12 +420,13 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             if scale is not None:  # the rest of the step expects scaled gradients
                 grads = [g * ops.cast(scale, g.dtype) for g in grads]
             values: list[Any] = []
+            masks: list[Any] = []  # DP-SGD refuses masked outputs
         else:
             grad_fn = jax.value_and_grad(self._loss_function(training=True), has_aux=True)
             (_, aux), grads = grad_fn(
                 trainable, non_trainable, metrics_vars, x, y, sample_weight, optimizer_vars
             )
-            unscaled_loss, y_pred, non_trainable, metrics_vars, values = aux
+            unscaled_loss, y_pred, non_trainable, metrics_vars, values, masks = aux
         if self.tapeops_options is not None and self.tapeops_options.sharpness_aware is not None:
             grads = self._sharpness_aware_gradients(
                 grad_fn, grads, (trainable, non_trainable, metrics_vars, optimizer_vars), data
@@ -439,9 +440,17 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 "make_train_function() first."
             )
         if window is not None:
-            window.check_batch(self, (trainable, non_trainable), x, sample_weight, y_pred)
+            weight = window.batch_normalizer(
+                self, (trainable, non_trainable), x, sample_weight, y_pred, masks
+            )
             trainable, optimizer_vars, metrics_vars = window.step(
-                self, grads, static_batch_size(x), list(trainable), optimizer_vars, metrics_vars
+                self,
+                grads,
+                static_batch_size(x),
+                weight,
+                list(trainable),
+                optimizer_vars,
+                metrics_vars,
             )
         else:
             trainable, optimizer_vars, metrics_vars, keep = self._apply_gradients(
@@ -475,7 +484,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         _, aux = self._loss_function(training=False)(
             trainable, non_trainable, metrics_vars, x, y, sample_weight, None
         )
-        loss, y_pred, non_trainable, metrics_vars, values = aux
+        loss, y_pred, non_trainable, metrics_vars, values, _ = aux
         logs, metrics_vars = self._log(
             metrics_vars, loss, x, y, y_pred, sample_weight, values, training=False
         )
