@@ -51,6 +51,8 @@ from jax_models import (  # noqa: E402
     data,
     decayed_optimizer,
     grouped_optimizers,
+    group_schedule_callbacks,
+    named_groups,
     logged_transforms,
     loss_terms,
     make_masked,
@@ -817,6 +819,14 @@ def main():
     stock_half.compile(optimizer=keras.optimizers.SGD(LR / 2), loss="mse")
     save_case(out, "half_learning_rate", stock_half, fit(stock_half, x, y))
 
+    # The group learning-rate callbacks (kt.optimizer_groups) on JAX.
+    model = make_mlp(init)
+    model.compile(optimizer=named_groups(kt, model), loss="mse")
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+        callbacks=group_schedule_callbacks(kt),
+    )
+    save_case(out, "group_schedules", model, history.history)
     accumulation_cases(out, init, x, y, report)
     skip_cases(out, init, report)
     privacy_cases(out, init, x, y, report)
@@ -841,6 +851,10 @@ def main():
         kt.PCGrad  # noqa: B018
     except AttributeError as error:
         report["missing_name"] = str(error)
+    try:
+        kt.callbacks.Sharpness  # noqa: B018
+    except AttributeError as error:
+        report["missing_callback"] = str(error)
     report["tensorflow_imported"] = "tensorflow" in sys.modules
     (out / "report.json").write_text(json.dumps(report, indent=1))
 

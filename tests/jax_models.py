@@ -314,3 +314,22 @@ def step_decay_class(kt):
             ]
 
     return StepDecay
+
+
+def group_schedule_callbacks(kt):
+    """Halve the body group's rate each epoch, and the head's on a plateau (logged)."""
+    return [
+        kt.callbacks.GroupLearningRateScheduler({"body": lambda epoch, lr: lr * 0.5}, log=True),
+        kt.callbacks.GroupReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
+    ]
+
+
+def named_groups(kt, model):
+    """SGD named "head" on the head, Adam named "body" on the body (the groups' names)."""
+    return kt.optimizer_groups(
+        model,
+        [
+            ("head", keras.optimizers.SGD(0.05, name="head")),
+            ("body*", keras.optimizers.Adam(0.01, name="body")),
+        ],
+    )

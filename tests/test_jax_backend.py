@@ -40,6 +40,8 @@ from jax_models import (
     data,
     decayed_optimizer,
     grouped_optimizers,
+    group_schedule_callbacks,
+    named_groups,
     initial_weights,
     logged_transforms,
     loss_terms,
@@ -653,6 +655,25 @@ def test_accumulation_sum_micro_batches_and_mixed_precision_equal_tensorflow(run
     assert _max_diff(mixed, tf_runs["accumulation3_mixed"][0]) <= 5e-3
 
 
+def test_group_learning_rate_callbacks_on_jax_equal_tensorflow(runs):
+    # GroupLearningRateScheduler (the body's rate halved each epoch, logged)
+    # and GroupReduceLROnPlateau (the head's halved when the loss does not
+    # drop by 10) on kt.optimizer_groups: the same weights and History.
+    out, _ = runs
+    model = make_mlp(initial_weights())
+    model.compile(optimizer=named_groups(kt, model), loss="mse")
+    history = model.fit(
+        *data(), batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+        callbacks=group_schedule_callbacks(kt),
+    ).history
+    weights, logged = _jax(out, "group_schedules")
+    assert _max_diff(weights, model.get_weights()) <= 1e-5
+    for key, values in history.items():
+        np.testing.assert_allclose(logged[key], values, rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(logged["lr/body"], [0.005, 0.0025, 0.000625], rtol=1e-6)
+    np.testing.assert_allclose(logged["lr/head"], [0.05, 0.05, 0.025], rtol=1e-6)
+
+
 def test_accumulation_weighted_and_masked_windows_equal_stock_large_batches(runs):
     # Windows of 3 batches normalized by the sum of the sample weights, or by
     # the unmasked entries (Embedding(mask_zero=True), both mean reductions),
@@ -703,6 +724,10 @@ def test_options_jax_lacks_are_refused_by_name(runs, option):
     assert "Received: " + option in message
     assert all(report["weights_kept"])
     assert "kt.PCGrad is not available on the jax backend" in report["missing_name"]
+    assert report["missing_callback"].startswith(
+        "kt.callbacks.Sharpness is not available on the jax backend yet"
+    )
+    assert "kt.callbacks.GroupLearningRateScheduler" in report["missing_callback"]
 
 
 # ---------------------------------------------------------------- DP-SGD
