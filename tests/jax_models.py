@@ -333,3 +333,13 @@ def named_groups(kt, model):
             ("body*", keras.optimizers.Adam(0.01, name="body")),
         ],
     )
+
+
+def decaying_weight(step):
+    """A term weight scheduled on the optimizer's step: 0.5 / (1 + step)."""
+    return 0.5 / (1.0 + keras.ops.cast(step, "float32"))
+
+
+def scheduled_terms(kt):
+    """An activation penalty whose weight decays with the step, also in validation."""
+    return [kt.ActivationPenalty("body1", l2=0.1, weight=decaying_weight, in_validation=True)]

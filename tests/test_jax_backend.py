@@ -53,6 +53,7 @@ from jax_models import (
     update_ratios,
     penalty_terms,
     sam_cases,
+    scheduled_terms,
     transforms,
     two_nan_batches_data,
     with_extra_term,
@@ -124,6 +125,9 @@ def _tf_runs(init, x, y):
     clean = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]
     runs = {
         "micro3_clip": _tf_case(make_mlp, init, x, y, **clip, micro_batches=3),
+        "scheduled_validation": _tf_case(
+            make_mlp, init, x, y, True, loss_terms=scheduled_terms(kt)
+        ),
         "batch_norm_micro": _tf_case(
             make_batch_norm, init, x, y, micro_batches=4, batch_norm_updates="per_micro_batch"
         ),
@@ -615,21 +619,24 @@ def test_loss_terms_saved_on_jax_load_on_tensorflow(runs):
     assert [repr(t) for t in loaded.tapeops_options.loss_terms] == [repr(t) for t in loss_terms(kt)]
 
 
-@pytest.mark.parametrize(
-    "case, message",
-    [
-        (
-            "scheduled_validation",
-            "`loss_terms` with a scheduled weight and in_validation=True "
-            "('activation_penalty_body1'; pass in_validation=False) is not available",
-        ),
-    ],
-)
-def test_loss_terms_jax_cannot_compute_are_refused(runs, case, message):
-    out, _ = runs
+def test_scheduled_term_weight_in_validation_equals_tensorflow(runs):
+    # weight = 0.5 / (1 + step), in_validation=True: the validation logs (and
+    # evaluate() after fit) read the step training reached, as TensorFlow's.
+    out, tf_runs = runs
     report = json.loads((out / "report.json").read_text())
-    assert report[f"{case}_refusal"].startswith(message)
-    assert "Received: loss_terms=[" in report[f"{case}_refusal"]
+    _, history = _equals_tensorflow(out, tf_runs, "scheduled_validation")
+    assert "val_activation_penalty_body1" in history
+    model = make_mlp(initial_weights())
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_terms=scheduled_terms(kt))
+    x, y = data()
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = model.evaluate(x[:32], y[:32], verbose=0, return_dict=True)
+    for key, value in expected.items():
+        np.testing.assert_allclose(report["scheduled_evaluate"][key], value, rtol=1e-5, err_msg=key)
+    # The check can fail: a step traced in as a constant would give one weight
+    # for both epochs (after 4 steps it is 0.5 / 5, after 8 it is 0.5 / 9).
+    first, last = history["val_activation_penalty_body1"]
+    assert first / last > 1.5
 
 
 def test_accumulation_equals_tensorflow_and_the_hand_written_loop(runs):

@@ -65,3 +65,23 @@ class TransformVariables(CarriedState):
     def variables(self) -> list[keras.Variable]:
         """The transforms' variables (what the JAX step carries)."""
         return list(self._carried)
+
+
+class EvaluationStep(CarriedState):
+    """The optimizer's step as evaluation reads it (scheduled term weights).
+
+    The JAX evaluation step carries no optimizer state, and a value read from
+    `optimizer.iterations` inside it would be traced in as a constant; this
+    variable is set from `optimizer.iterations` before each evaluation and
+    carried with the metrics (see `TapeOpsMixin.evaluate` on JAX).
+
+    Example:
+    ```python
+    carried = EvaluationStep()
+    carried.step.assign(model.optimizer.iterations)
+    ```
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="tapeops_evaluation_step")
+        self.step = self.add_variable((), "zeros", "float32", name="step")

@@ -168,14 +168,18 @@ def _term_values(model, terms, training, trainable, non_trainable, optimizer_var
 
     It runs inside a `keras.StatelessScope` mapping the model's and the
     optimizer's variables to `trainable`, `non_trainable` and
-    `optimizer_vars`; `context` is `(x, y, y_pred, sample_weight,
+    `optimizer_vars` (in evaluation: None, or the `(variable, value)` pairs
+    of `TapeOpsMixin._evaluation_step_of`); `context` is `(x, y, y_pred, sample_weight,
     activations, input_gradients)` of the pass.
     """
     x, y, y_pred, sample_weight, activations, input_gradients = context
     mapping = list(zip(model.trainable_variables, trainable))
     mapping += list(zip(model.non_trainable_variables, non_trainable))
     if optimizer_vars is not None and model.optimizer is not None:
-        mapping += list(zip(model.optimizer.variables, optimizer_vars))
+        if training:
+            mapping += list(zip(model.optimizer.variables, optimizer_vars))
+        else:  # evaluation: `(variable, value)` pairs (the step scheduled weights read)
+            mapping += list(optimizer_vars)
     with keras.StatelessScope(state_mapping=mapping):
         term_context = JaxTermContext(
             model, x, y, y_pred, sample_weight, training, activations, input_gradients

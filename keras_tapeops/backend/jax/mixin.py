@@ -26,6 +26,7 @@ from keras_tapeops.accumulation.flush import add_callbacks_first
 from keras_tapeops.accumulation.reduction_kinds import check_compile_loss
 from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
+from keras_tapeops.backend.jax.carried import EvaluationStep
 from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax import privacy
@@ -67,6 +68,9 @@ class JaxModelState:
         self.accumulator: AccumulationWindow | None = None  # accumulation_steps > 1
         self.transform_variables: TransformVariables | None = None  # e.g. a skip counter
         self.privacy: privacy.PrivateGradients | None = None  # differential_privacy
+        # The step scheduled weights of evaluated terms read (set before evaluating).
+        scheduled = any(callable(t.weight) and t.in_validation for t in options.loss_terms)
+        self.evaluation_step = EvaluationStep() if scheduled else None
         self.saveable = TrainingState(self)  # the transforms' variables, in files
         if isinstance(options.differential_privacy, DPSGD):  # the only one on JAX
             options.differential_privacy.check_model(model, tree)
@@ -101,7 +105,11 @@ class JaxModelState:
         The window logs nothing: it is a metric so that the JAX step carries
         its variables (see `backend/jax/accumulation.py`).
         """
-        carried = [c for c in (self.accumulator, self.transform_variables) if c is not None]
+        carried = [
+            c
+            for c in (self.accumulator, self.transform_variables, self.evaluation_step)
+            if c is not None
+        ]
         return list(self.term_trackers.values()) + self.training_only_metrics + carried
 
     def gates(self) -> list[tuple[Any, Any]]:
@@ -241,6 +249,28 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 "With kt.SkipNonFinite(max_consecutive=...) on JAX",
             )
         return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Stock `evaluate()` (also `fit`'s validation); scheduled term weights read the step.
+
+        With a term whose weight is a schedule and `in_validation=True`, the
+        optimizer's current step is copied into a variable the evaluation
+        step carries (it has no optimizer state), as TensorFlow's reads
+        `optimizer.iterations`.
+        """
+        self._set_evaluation_step()
+        return super().evaluate(*args, **kwargs)
+
+    def test_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Stock `test_on_batch()`; scheduled term weights read the step (see `evaluate`)."""
+        self._set_evaluation_step()
+        return super().test_on_batch(*args, **kwargs)
+
+    def _set_evaluation_step(self) -> None:
+        state = self.tapeops_state
+        if state is not None and state.evaluation_step is not None and self.optimizer is not None:
+            iterations = ops.convert_to_numpy(self.optimizer.iterations)
+            state.evaluation_step.step.assign(float(iterations))
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         """Stock `train_on_batch()`; with `SkipNonFinite(max_consecutive=...)` it can raise.
@@ -482,13 +512,32 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         trainable, non_trainable, metrics_vars = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         _, aux = self._loss_function(training=False)(
-            trainable, non_trainable, metrics_vars, x, y, sample_weight, None
+            trainable,
+            non_trainable,
+            metrics_vars,
+            x,
+            y,
+            sample_weight,
+            self._evaluation_step_of(metrics_vars),
         )
         loss, y_pred, non_trainable, metrics_vars, values, _ = aux
         logs, metrics_vars = self._log(
             metrics_vars, loss, x, y, y_pred, sample_weight, values, training=False
         )
         return logs, (trainable, non_trainable, metrics_vars)
+
+    def _evaluation_step_of(self, metrics_vars: Sequence[Any]) -> Any:
+        """`[(optimizer.iterations, its value in evaluation)]`, or None without a schedule.
+
+        What the evaluation step maps the optimizer's step counter to (the
+        carried `EvaluationStep`), in place of the optimizer state it lacks.
+        """
+        state = self.tapeops_state
+        if state is None or state.evaluation_step is None or self.optimizer is None:
+            return None
+        index = [id(v) for v in self.metrics_variables].index(id(state.evaluation_step.step))
+        iterations = self.optimizer.iterations
+        return [(iterations, ops.cast(metrics_vars[index], iterations.dtype))]
 
     @default_hook
     def compute_terms(self, terms: Sequence[tuple[Term, Any]], context: TermContext) -> list[Any]:

@@ -117,14 +117,6 @@ def check_jax_term(term: Term) -> None:
     cls = type(term)
     if not isinstance(term, JAX_TERMS) and cls.__module__.startswith("keras_tapeops."):
         _refuse("loss_terms", [term], f" with {cls.__name__}")
-    if callable(term.weight) and term.in_validation:
-        # The JAX evaluation step has no optimizer state to read the step from.
-        _refuse(
-            "loss_terms",
-            [term],
-            f" with a scheduled weight and in_validation=True ({term.name!r}; "
-            "pass in_validation=False)",
-        )
 
 
 def check_jax_transform(transform: GradientTransform) -> None:
