@@ -25,6 +25,7 @@ from keras import ops
 
 from keras_tapeops import capture
 from keras_tapeops._keras import jax_trainer
+from keras_tapeops.backend.jax.micro_batches import LargeBatchStatistics
 from keras_tapeops.backend.jax.micro_batches import micro_batch_forward
 from keras_tapeops.backend.jax.micro_batches import micro_batch_scan
 from keras_tapeops._keras import masking
@@ -51,6 +52,7 @@ def loss_function(
     terms: Sequence[tuple[Term, Any]],
     training: bool,
     micro_batches: int = 1,
+    merge: LargeBatchStatistics | None = None,
 ) -> LossFunction:
     """The loss to differentiate, with the stock JAX trainer's outputs plus the terms'.
 
@@ -66,6 +68,8 @@ def loss_function(
         terms: the active `(kt.Term, state)` pairs.
         training: the step's mode (scales the loss for mixed precision when True).
         micro_batches: the compiled `micro_batches` (1: one forward pass).
+        merge: with `micro_batches`, the model's `LargeBatchStatistics` for
+            `batch_norm_updates="large_batch"` (None: per micro-batch).
 
     Returns:
         `f(trainable, non_trainable, metrics, x, y, sample_weight,
@@ -103,9 +107,10 @@ def loss_function(
                 (trainable, non_trainable, optimizer_vars),
                 (x, y, sample_weight),
                 micro_batches,
+                merge,
             )
         elif micro_batches > 1:
-            y_pred, new_non_trainable, losses = micro_batch_forward(forward, micro_batches)(
+            y_pred, new_non_trainable, losses = micro_batch_forward(forward, micro_batches, merge)(
                 trainable, non_trainable, x
             )
             values = []

@@ -20,14 +20,24 @@ adds them to each micro-batch's loss (`micro_batch_scan`).
 
 Non-trainable state (BatchNormalization moving statistics, seed generators)
 is carried from one micro-batch to the next: `batch_norm_updates=
-"per_micro_batch"` semantics. The TensorFlow-only `"large_batch"` merge is
-refused for models with BatchNormalization layers (`check_batch_norm`).
+"per_micro_batch"` semantics. With `"large_batch"` (the default, as on
+TensorFlow) the BatchNormalization layers run with momentum 0 inside the
+scan, so each micro-batch leaves its own mean and variance in the moving
+variables; the scan returns them, and `LargeBatchStatistics.finish` merges
+them (sample-weighted mean; variance via E[x^2] - mean^2) into one update
+of the moving statistics with the whole batch's statistics, the update stock
+Keras makes on the batch (`keras_tapeops/accumulation/batch_norm.py` is the
+TensorFlow loop's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 from typing import Callable
+
+import contextlib
+from typing import Iterator
+from typing import Sequence
 
 import jax
 import keras
@@ -44,7 +54,92 @@ Forward = Callable[[Any, Any, Any], tuple[Any, Any, list[Any]]]
 Pass = Callable[..., tuple[Any, Any, list[Any], list[Any]]]
 
 
-def micro_batch_forward(forward: Forward, k: int) -> Forward:
+class LargeBatchStatistics:
+    """`batch_norm_updates="large_batch"` on JAX: one moving-statistics update per batch.
+
+    Args:
+        model: the model (its trainable BatchNormalization layers are merged).
+
+    Example:
+    ```python
+    merge = LargeBatchStatistics(model)
+    with merge.momentum_zero():   # while the micro-batch scan is traced
+        ...                       # each micro-batch: merge.picked(non_trainable)
+    non_trainable = merge.finish(before, after, stats, sizes, n)
+    ```
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self.layers = batch_norm_layers(model)
+        self.momenta = [layer.momentum for layer in self.layers]  # (zero while traced)
+        index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self.positions = [
+            (index[id(layer.moving_mean)], index[id(layer.moving_variance)])
+            for layer in self.layers
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    @contextlib.contextmanager
+    def momentum_zero(self) -> Iterator[None]:
+        """Moving statistics := the micro-batch's own statistics, while traced."""
+        for layer in self.layers:
+            layer.momentum = 0.0
+        try:
+            yield
+        finally:
+            for layer, momentum in zip(self.layers, self.momenta):
+                layer.momentum = momentum
+
+    def picked(self, non_trainable: Sequence[Any]) -> list[Any]:
+        """The moving means and variances a micro-batch left (its own statistics)."""
+        return [non_trainable[i] for pair in self.positions for i in pair]
+
+    def finish(
+        self,
+        before: Sequence[Any],
+        after: Sequence[Any],
+        stats: Sequence[tuple[list[Any], int]],
+        n: int,
+    ) -> list[Any]:
+        """`after` with each moving statistic updated once, with the whole batch's statistics.
+
+        Args:
+            before: the non-trainable values before the batch.
+            after: the non-trainable values after the scan.
+            stats: per run of equal-sized micro-batches, `(picked values
+                stacked over its micro-batches, micro-batch size)`.
+            n: the batch's sample count.
+        """
+        out = list(after)
+        for j, (momentum, (mean_at, variance_at)) in enumerate(zip(self.momenta, self.positions)):
+            mean_sum, square_sum = 0.0, 0.0
+            for picked, size in stats:
+                means = ops.cast(picked[2 * j], "float32")
+                variances = ops.cast(picked[2 * j + 1], "float32")
+                mean_sum = mean_sum + size * ops.sum(means, axis=0)
+                square_sum = square_sum + size * ops.sum(variances + ops.square(means), axis=0)
+            mean = mean_sum / float(n)
+            variance = ops.maximum(square_sum / float(n) - ops.square(mean), 0.0)
+            for at, stat in ((mean_at, mean), (variance_at, variance)):
+                old = before[at]
+                out[at] = ops.cast(old * momentum + stat * (1.0 - momentum), old.dtype)
+        return out
+
+
+def batch_norm_layers(model: keras.Model) -> list[Any]:
+    """The trainable BatchNormalization layers of `model` (they update moving statistics)."""
+    return [
+        layer
+        for layer in private.all_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
+
+
+def micro_batch_forward(
+    forward: Forward, k: int, merge: LargeBatchStatistics | None = None
+) -> Forward:
     """The forward pass of a batch in `k` rematerialized micro-batches.
 
     Args:
@@ -53,6 +148,8 @@ def micro_batch_forward(forward: Forward, k: int) -> Forward:
             (`backend/jax/loss.stateless_forward`).
         k: requested number of micro-batches (a smaller batch uses one per
             sample).
+        merge: the model's `LargeBatchStatistics` for `"large_batch"`
+            BatchNormalization updates (None: per micro-batch).
 
     Returns:
         `forward(trainable, non_trainable, x) -> (y_pred, non_trainable,
@@ -71,7 +168,7 @@ def micro_batch_forward(forward: Forward, k: int) -> Forward:
 
     def split_forward(trainable, non_trainable, x):
         y_pred, non_trainable, losses, _ = micro_batch_scan(
-            one_pass, (trainable, non_trainable, None), (x, None, None), k
+            one_pass, (trainable, non_trainable, None), (x, None, None), k, merge
         )
         return y_pred, non_trainable, losses
 
@@ -79,7 +176,11 @@ def micro_batch_forward(forward: Forward, k: int) -> Forward:
 
 
 def micro_batch_scan(
-    pass_fn: Pass, state: tuple[Any, Any, Any], batch: tuple[Any, Any, Any], k: int
+    pass_fn: Pass,
+    state: tuple[Any, Any, Any],
+    batch: tuple[Any, Any, Any],
+    k: int,
+    merge: LargeBatchStatistics | None = None,
 ) -> tuple[Any, Any, list[Any], list[Any]]:
     """`pass_fn` over `k` micro-batches, one rematerialized pass at a time.
 
@@ -91,6 +192,8 @@ def micro_batch_scan(
         batch: `(x, y, sample_weight)` of the whole batch (y and
             sample_weight may be None).
         k: requested number of micro-batches.
+        merge: the model's `LargeBatchStatistics` (None, or one without
+            layers: the moving statistics are carried per micro-batch).
 
     Returns:
         `(y_pred, non_trainable, [extra_loss], values)`: the whole batch's
@@ -98,7 +201,15 @@ def micro_batch_scan(
         the forward losses and term values of the micro-batches, each
         weighted by `size / n`.
     """
+    if merge:
+        with merge.momentum_zero():
+            return _scan(pass_fn, state, batch, k, merge)
+    return _scan(pass_fn, state, batch, k, None)
+
+
+def _scan(pass_fn, state, batch, k, merge):
     trainable, non_trainable, optimizer_vars = state
+    before = non_trainable
     n = static_batch_size(batch[0])
 
     @jax.checkpoint
@@ -113,7 +224,7 @@ def micro_batch_scan(
 
     extra = ops.zeros((), "float32")
     values: list[Any] | None = None
-    pieces = []
+    pieces, statistics = [], []
     for start, count, size in equal_size_groups(n, k):
         group = jax.tree_util.tree_map(lambda t: stacked(t, start, count, size), batch)
 
@@ -122,11 +233,13 @@ def micro_batch_scan(
             y_pred, non_trainable, loss, micro_values = one_micro_batch(
                 trainable, non_trainable, optimizer_vars, micro
             )
-            return (non_trainable, extra + loss * (size / n)), (y_pred, micro_values)
+            picked = merge.picked(non_trainable) if merge else []
+            return (non_trainable, extra + loss * (size / n)), (y_pred, micro_values, picked)
 
-        (non_trainable, extra), (y_stacked, stacked_values) = jax.lax.scan(
+        (non_trainable, extra), (y_stacked, stacked_values, picked) = jax.lax.scan(
             body, (non_trainable, extra), group
         )
+        statistics.append((picked, size))
         pieces.append(jax.tree_util.tree_map(unstacked, y_stacked))
         shares = [ops.sum(v) * (size / n) for v in stacked_values]
         values = shares if values is None else [a + b for a, b in zip(values, shares)]
@@ -135,35 +248,9 @@ def micro_batch_scan(
     # predictions through the scan; the compiled loss reads them from y_pred.
     leaves = [masking.with_keras_mask(t, m) for t, m in zip(keras.tree.flatten(y_pred), masks)]
     y_pred = keras.tree.pack_sequence_as(y_pred, leaves)
+    if merge:
+        non_trainable = merge.finish(before, non_trainable, statistics, n)
     return y_pred, non_trainable, [extra], values or []
-
-
-def check_batch_norm(model: keras.Model, micro_batches: int, mode: str) -> None:
-    """Raises ValueError when BatchNormalization needs the TF-only large-batch merge.
-
-    Args:
-        model: the model to train.
-        micro_batches: the compiled `micro_batches`.
-        mode: the compiled `batch_norm_updates`.
-
-    Returns:
-        None.
-    """
-    if micro_batches <= 1 or mode != "large_batch":
-        return
-    layers = [
-        layer.name
-        for layer in private.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-    ]
-    if layers:
-        raise ValueError(
-            "`micro_batches` with BatchNormalization layers needs "
-            "batch_norm_updates='per_micro_batch' on the JAX backend (one "
-            "moving-statistics update per micro-batch); the 'large_batch' merge "
-            f"is TensorFlow-only for now. Layers: {layers}. "
-            f"Received: micro_batches={micro_batches}, batch_norm_updates={mode!r}"
-        )
 
 
 def stacked(t: Any, start: int, count: int, size: int) -> Any:

@@ -222,8 +222,6 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         """
         kwargs = dict(kwargs)
         options = pop_jax_options(kwargs)
-        if self.built:
-            micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
         loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
         check_compile_loss(options, loss)
         if options.differential_privacy is not None:
@@ -355,13 +353,14 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
                 return loss, (*aux, [], jax_loss.output_masks(aux[1]))
 
             return stock
-        k = 1
+        k, merge = 1, None
         if split and options is not None:
-            micro_batches.check_batch_norm(self, options.micro_batches, options.batch_norm_updates)
             k = options.micro_batches
+            if options.batch_norm_updates == "large_batch":
+                merge = micro_batches.LargeBatchStatistics(self)
         forward = jax_loss.stateless_forward(self, training)
         terms = self.tapeops_state.active_terms(training) if self.tapeops_state else []
-        return jax_loss.loss_function(self, forward, terms, training, micro_batches=k)
+        return jax_loss.loss_function(self, forward, terms, training, micro_batches=k, merge=merge)
 
     def make_train_function(self, force: bool = False) -> Any:
         """Binds the transforms (their metrics join the JAX state), then Keras's."""
