@@ -11,6 +11,7 @@ statistics that the forward pass already updated are put back.
 import tensorflow as tf
 
 from keras_tapeops.accumulation.batch_norm import moving_statistics
+from keras_tapeops.transforms.base import keep_step_decision
 from keras_tapeops.transforms.base import with_hook
 
 
@@ -24,20 +25,9 @@ def keep_step_function(bound):
         A callable for `true_gradients.apply_transformed(keep_step=...)`, or
         None when no transform gates.
     """
-    gating = with_hook(bound, "keep_step")
-    if not gating:
+    if not with_hook(bound, "keep_step"):
         return None
-
-    def keep_step(grads, variables):
-        keep = None
-        for transform, state in gating:
-            decision = transform.keep_step(grads, variables, state)
-            if decision is not None:
-                decision = tf.convert_to_tensor(decision, tf.bool)
-                keep = decision if keep is None else tf.logical_and(keep, decision)
-        return keep
-
-    return keep_step
+    return lambda grads, variables: keep_step_decision(bound, grads, variables)
 
 
 def after_apply_function(bound, variables):

@@ -264,3 +264,57 @@ def apply_in_order(
     for transform, state in bound:
         grads = list(transform(grads, variables, state))
     return grads
+
+
+def keep_step_decision(
+    bound: Sequence[tuple[GradientTransform, TransformState]],
+    grads: Sequence[Any],
+    variables: Sequence[Any],
+) -> Any:
+    """The AND of the bound gates' `keep_step` decisions (any backend).
+
+    Args:
+        bound: `(transform, state)` pairs (only those with a gate decide).
+        grads: the true gradients, one per variable.
+        variables: the matching variables (or their values).
+
+    Returns:
+        A scalar bool tensor, or None when no gate decides.
+
+    Example:
+    ```python
+    keep = keep_step_decision(bound, grads, variables)  # e.g. kt.SkipNonFinite's
+    ```
+    """
+    keep = None
+    for transform, state in with_hook(bound, "keep_step"):
+        decision = transform.keep_step(grads, variables, state)
+        if decision is not None:
+            decision = keras.ops.cast(decision, "bool")
+            keep = decision if keep is None else keras.ops.logical_and(keep, decision)
+    return keep
+
+
+def after_apply_in_order(
+    bound: Sequence[tuple[GradientTransform, TransformState]],
+    new_values: Sequence[Any],
+    old_values: Sequence[Any],
+) -> None:
+    """Runs the bound transforms' `after_apply` hooks on a stateless step's values.
+
+    Args:
+        bound: `(transform, state)` pairs (only those with a hook run).
+        new_values: the selected variables' values after the step.
+        old_values: their values before it (handed, selected, to a transform
+            with `needs_previous_values`).
+
+    Example:
+    ```python
+    after_apply_in_order(bound, new_trainable, trainable)  # e.g. kt.LogUpdateRatio
+    ```
+    """
+    for transform, state in with_hook(bound, "after_apply"):
+        previous = None
+        if transform.needs_previous_values:
+            previous = [w if on else None for w, on in zip(old_values, state.selected)]
+        transform.after_apply(list(new_values), previous, state)

@@ -40,9 +40,11 @@ from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.carried import CarriedState
 from keras_tapeops.backend.jax.carried import TransformVariables
 from keras_tapeops.backend.jax.mixin import _restoring_state_on_error
+from keras_tapeops.backend.jax.true_gradients import true_transformed
 from keras_tapeops.split_sizes import static_batch_size
+from keras_tapeops.transforms.base import after_apply_in_order
 from keras_tapeops.transforms.base import apply_in_order
-from keras_tapeops.transforms.base import with_hook
+from keras_tapeops.transforms.base import keep_step_decision
 from keras_tapeops.transforms.finite import SkipNonFinite
 from keras_tapeops.typing_aliases import Nested
 
@@ -259,7 +261,7 @@ class _StepValues:
         optimizer_values = self.optimizer[where]
         optimizer_state = list(zip(optimizer.variables, optimizer_values))
         with jax_loss.updating_metrics(model, self.metrics, optimizer_state) as metrics:
-            grads, keep = _true_transformed(optimizer, optimizer_values, bound, list(grads), values)
+            grads, keep = _player_transformed(optimizer, optimizer_values, bound, grads, values)
         new_values, new_optimizer_values = optimizer.stateless_apply(
             optimizer_values, grads, values
         )
@@ -271,11 +273,7 @@ class _StepValues:
             updated = _where(keep, updated, non_trainable)
         self.non_trainable = list(updated)
         with jax_loss.updating_metrics(model, metrics, optimizer_state) as self.metrics:
-            for transform, state in with_hook(bound, "after_apply"):
-                previous = None
-                if transform.needs_previous_values:
-                    previous = [w if on else None for w, on in zip(values, state.selected)]
-                transform.after_apply(list(new_values), previous, state)
+            after_apply_in_order(bound, new_values, values)
         for i, value in zip(positions, new_values):
             self.trainable[i] = value
         self.optimizer[where] = list(new_optimizer_values)
@@ -296,50 +294,32 @@ def _current(scope: Any, variable: Any, old: Any) -> Any:
     return old if value is None else value
 
 
-def _true_transformed(
+def _player_transformed(
     optimizer: Any,
     optimizer_values: Sequence[Any],
     bound: Sequence[Any],
-    grads: list[Any],
+    grads: Sequence[Any],
     values: list[Any],
 ) -> tuple[list[Any], Any]:
-    """The player's transforms on its true gradients (see `TapeOpsMixin`'s JAX step).
+    """The player's gates and transforms on its true gradients (`true_transformed`).
 
-    Under a LossScaleOptimizer (or a static `loss_scale_factor`): unscaled,
-    transformed, scaled again (exact for a power of two); under a
-    LossScaleOptimizer a non-finite step reaches it untransformed, so it is
-    skipped as an overflow, as on TensorFlow, and so does a step a gate
-    skips (its gradients are made nan).
+    Without transforms the gradients go to the optimizer as they are (no
+    unscaling and rescaling: a static `loss_scale_factor` need not be a
+    power of two).
 
     Returns:
-        `(grads, keep)`: `keep` is the AND of the gates' `keep_step`
-        decisions on the true gradients (None without gates).
+        `(grads, keep)`; `keep` is None without gates.
     """
     if not bound:
-        return grads, None
-    scale = jax_loss.loss_scale(optimizer, optimizer_values)
-    true = grads if scale is None else [g / ops.cast(scale, g.dtype) for g in grads]
-    keep = _keep_step(bound, true, values)
-    new = apply_in_order(bound, true, values)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in true]))
-        new = [ops.where(finite, n, t) for n, t in zip(new, true)]
-        if keep is not None:
-            new = [ops.where(keep, n, float("nan")) for n in new]
-    if scale is None:
-        return new, keep
-    return [n * ops.cast(scale, t.dtype) for n, t in zip(new, true)], keep
-
-
-def _keep_step(bound: Sequence[Any], grads: list[Any], values: list[Any]) -> Any:
-    """The AND of the bound gates' decisions (None without a gate)."""
-    keep = None
-    for transform, state in with_hook(bound, "keep_step"):
-        decision = transform.keep_step(grads, values, state)
-        if decision is not None:
-            decision = ops.cast(decision, "bool")
-            keep = decision if keep is None else ops.logical_and(keep, decision)
-    return keep
+        return list(grads), None
+    return true_transformed(
+        optimizer,
+        jax_loss.loss_scale(optimizer, optimizer_values),
+        grads,
+        values,
+        lambda g, v: keep_step_decision(bound, g, v),
+        lambda g, v: apply_in_order(bound, g, v),
+    )
 
 
 def _unless_empty(value: Any, n: Any) -> Any:

@@ -28,6 +28,7 @@ from keras_tapeops.backend.jax import loss as jax_loss
 from keras_tapeops.backend.jax.accumulation import AccumulationWindow
 from keras_tapeops.backend.jax.carried import EvaluationStep
 from keras_tapeops.backend.jax.carried import TransformVariables
+from keras_tapeops.backend.jax.true_gradients import true_transformed
 from keras_tapeops.backend.jax import micro_batches
 from keras_tapeops.backend.jax import privacy
 from keras_tapeops.backend.jax import stops
@@ -45,7 +46,9 @@ from keras_tapeops.terms.base import TermContext
 from keras_tapeops.terms.base import weighted_term_values
 from keras_tapeops.training_state import TrainingState
 from keras_tapeops.training_state import transform_state_items
+from keras_tapeops.transforms.base import after_apply_in_order
 from keras_tapeops.transforms.base import apply_in_order
+from keras_tapeops.transforms.base import keep_step_decision
 from keras_tapeops.transforms.base import with_hook
 
 
@@ -111,10 +114,6 @@ class JaxModelState:
             if c is not None
         ]
         return list(self.term_trackers.values()) + self.training_only_metrics + carried
-
-    def gates(self) -> list[tuple[Any, Any]]:
-        """The bound `(transform, state)` pairs whose `keep_step` may skip a step."""
-        return with_hook(self.transforms, "keep_step")
 
     def after_apply_hooks(self) -> list[tuple[Any, Any]]:
         """The bound `(transform, state)` pairs with an `after_apply` hook."""
@@ -645,13 +644,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
             return metrics_vars
         optimizer_state = list(zip(self.optimizer.variables, optimizer_vars))
         with jax_loss.updating_metrics(self, metrics_vars, optimizer_state) as metrics_vars:
-            for transform, transform_state in hooked:
-                previous = None
-                if transform.needs_previous_values:
-                    previous = [
-                        w if on else None for w, on in zip(old_values, transform_state.selected)
-                    ]
-                transform.after_apply(list(new_values), previous, transform_state)
+            after_apply_in_order(hooked, new_values, old_values)
         return metrics_vars
 
     def _loss_scale(self, optimizer_vars):
@@ -668,32 +661,16 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         once a `SkipNonFinite(max_consecutive)` stopped training (None
         without one; `backend/jax/stops.py`).
 
-        The LossScaleOptimizer divides by its scale again in `stateless_apply`
-        and skips a non-finite step, as on TensorFlow; the scale is a power
-        of two, so unscaling and rescaling are exact. An overflow stays an
-        overflow: when the true gradients are not all finite, the optimizer
-        gets them untransformed (a clip could have made them finite), so it
-        skips the step and lowers its scale, as on TensorFlow.
+        The unscaling, the overflow rule and the rescaling are
+        `backend/jax/true_gradients.true_transformed`'s.
         """
         scale = self._loss_scale(optimizer_vars)
-        if scale is not None:
-            grads = [g if g is None else g / ops.cast(scale, g.dtype) for g in grads]
         optimizer_state = list(zip(self.optimizer.variables, optimizer_vars))
         with jax_loss.updating_metrics(self, metrics_vars, optimizer_state) as metrics_vars:
             halt = stops.halted(self)  # the count before this step's gates
-            keep = self._keep_step(grads, values)
-            new_grads = self.transform_gradients(grads, values)
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads if g is not None]))
-            new_grads = [
-                new if new is None or old is None else ops.where(finite, new, old)
-                for new, old in zip(new_grads, grads)
-            ]
-            if keep is not None:  # the LossScaleOptimizer skips it as an overflow
-                nan = float("nan")
-                new_grads = [g if g is None else ops.where(keep, g, nan) for g in new_grads]
-        if scale is not None:
-            new_grads = [g if g is None else g * ops.cast(scale, g.dtype) for g in new_grads]
+            new_grads, keep = true_transformed(
+                self.optimizer, scale, grads, values, self._keep_step, self.transform_gradients
+            )
         return new_grads, metrics_vars, keep, halt
 
     def _keep_step(self, grads, values):
@@ -701,14 +678,7 @@ class TapeOpsMixin(SavingMethods, FlushingFit):
         state = self.tapeops_state
         if state is None:
             return None
-        state.bind(self)
-        keep = None
-        for transform, transform_state in state.gates():
-            decision = transform.keep_step(grads, values, transform_state)
-            if decision is not None:
-                decision = ops.cast(decision, "bool")
-                keep = decision if keep is None else ops.logical_and(keep, decision)
-        return keep
+        return keep_step_decision(state.bind(self), grads, values)
 
     @default_hook
     def transform_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
