@@ -18,22 +18,13 @@ statistics (as any micro-batching does); gradients are exact for the
 micro-batch network.
 """
 
-import contextlib
-
-import keras
 import tensorflow as tf
 
 from keras_tapeops import _compat
-from keras_tapeops._keras import private
-
-
-def batch_norm_layers(model):
-    """The BatchNormalization layers of `model` that update moving statistics."""
-    return [
-        layer
-        for layer in private.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-    ]
+from keras_tapeops.accumulation.batch_norm_statistics import batch_norm_layers
+from keras_tapeops.accumulation.batch_norm_statistics import merged_moments
+from keras_tapeops.accumulation.batch_norm_statistics import momentum_zero
+from keras_tapeops.accumulation.batch_norm_statistics import moving_average
 
 
 def moving_statistics(model):
@@ -93,17 +84,9 @@ class LargeBatchStatistics:
     def __init__(self, model):
         self.layers = batch_norm_layers(model)
 
-    @contextlib.contextmanager
     def momentum_zero(self):
         """Moving statistics := the last micro-batch's statistics, while traced."""
-        saved = [layer.momentum for layer in self.layers]
-        for layer in self.layers:
-            layer.momentum = 0.0
-        try:
-            yield
-        finally:
-            for layer, momentum in zip(self.layers, saved):
-                layer.momentum = momentum
+        return momentum_zero(self.layers, [layer.momentum for layer in self.layers])
 
     def start(self):
         """Returns the loop state: the moving statistics now and zero sums."""
@@ -131,11 +114,9 @@ class LargeBatchStatistics:
         n = tf.cast(n, tf.float32)
         i = 0
         for layer in self.layers:
-            mean = sums[i] / n
-            variance = tf.maximum(sums[i + 1] / n - tf.square(mean), 0.0)
-            momentum = layer.momentum
-            layer.moving_mean.assign(old[i] * momentum + mean * (1.0 - momentum))
-            layer.moving_variance.assign(old[i + 1] * momentum + variance * (1.0 - momentum))
+            mean, variance = merged_moments(sums[i], sums[i + 1], n)
+            layer.moving_mean.assign(moving_average(old[i], mean, layer.momentum))
+            layer.moving_variance.assign(moving_average(old[i + 1], variance, layer.momentum))
             i += 2
 
 

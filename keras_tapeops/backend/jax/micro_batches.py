@@ -32,11 +32,9 @@ TensorFlow loop's).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from typing import Callable
-
-import contextlib
-from typing import Iterator
 from typing import Sequence
 
 import jax
@@ -44,7 +42,10 @@ import keras
 from keras import ops
 
 from keras_tapeops._keras import masking
-from keras_tapeops._keras import private
+from keras_tapeops.accumulation.batch_norm_statistics import batch_norm_layers
+from keras_tapeops.accumulation.batch_norm_statistics import merged_moments
+from keras_tapeops.accumulation.batch_norm_statistics import momentum_zero
+from keras_tapeops.accumulation.batch_norm_statistics import moving_average
 from keras_tapeops.split_sizes import equal_size_groups
 from keras_tapeops.split_sizes import static_batch_size
 
@@ -81,16 +82,9 @@ class LargeBatchStatistics:
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    @contextlib.contextmanager
-    def momentum_zero(self) -> Iterator[None]:
+    def momentum_zero(self) -> contextlib.AbstractContextManager[None]:
         """Moving statistics := the micro-batch's own statistics, while traced."""
-        for layer in self.layers:
-            layer.momentum = 0.0
-        try:
-            yield
-        finally:
-            for layer, momentum in zip(self.layers, self.momenta):
-                layer.momentum = momentum
+        return momentum_zero(self.layers, self.momenta)
 
     def picked(self, non_trainable: Sequence[Any]) -> list[Any]:
         """The moving means and variances a micro-batch left (its own statistics)."""
@@ -120,21 +114,10 @@ class LargeBatchStatistics:
                 variances = ops.cast(picked[2 * j + 1], "float32")
                 mean_sum = mean_sum + size * ops.sum(means, axis=0)
                 square_sum = square_sum + size * ops.sum(variances + ops.square(means), axis=0)
-            mean = mean_sum / float(n)
-            variance = ops.maximum(square_sum / float(n) - ops.square(mean), 0.0)
+            mean, variance = merged_moments(mean_sum, square_sum, float(n))
             for at, stat in ((mean_at, mean), (variance_at, variance)):
-                old = before[at]
-                out[at] = ops.cast(old * momentum + stat * (1.0 - momentum), old.dtype)
+                out[at] = ops.cast(moving_average(before[at], stat, momentum), before[at].dtype)
         return out
-
-
-def batch_norm_layers(model: keras.Model) -> list[Any]:
-    """The trainable BatchNormalization layers of `model` (they update moving statistics)."""
-    return [
-        layer
-        for layer in private.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-    ]
 
 
 def micro_batch_forward(
