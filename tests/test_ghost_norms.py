@@ -150,6 +150,24 @@ def test_conv2d_mixed_ghost_clipping(rng):
     _check(model, x, y, {("valid", "kernel"): "Conv: per-example", ("wide", "kernel"): "Conv: ghost"})
 
 
+def test_conv2d_dilation_and_conv3d(rng):
+    inputs = keras.Input((6, 6, 6, 2))
+    branches = [
+        keras.layers.Conv3D(3, 2, padding="same", strides=2, activation="relu", name="same3d")(inputs),
+        keras.layers.Conv3D(16, (3, 2, 2), padding="valid", name="valid3d")(inputs),
+    ]
+    planes = keras.layers.Reshape((6, 6, 12))(inputs)
+    branches.append(keras.layers.Conv2D(2, 3, dilation_rate=2, padding="same", name="dilated")(planes))
+    flat = keras.layers.Concatenate()([keras.layers.Flatten()(b) for b in branches])
+    model = kt.upgrade(keras.Model(inputs, keras.layers.Dense(2)(flat)))
+    model.compile(optimizer="sgd", loss="mse", differential_privacy=kt.DPSGD(1.0, 0.0, seed=0))
+    x = rng.normal(size=(3, 6, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(3, 2)).astype("float32")
+    # valid3d: T=4*5*5=100, P=24, O=16 -> per example; same3d: T=27, P=16, O=3 -> per example.
+    _check(model, x, y, {("valid3d", "kernel"): "Conv: per-example",
+                         ("dilated", "kernel"): "Conv: per-example"})
+
+
 def test_layer_normalization(rng):
     layers = [
         keras.layers.Dense(4),
@@ -166,12 +184,12 @@ def test_layer_normalization(rng):
 
 def test_vectorized_fallback_for_other_layers(rng):
     model = _compiled(
-        [keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.GroupNormalization(groups=2, axis=-1),
+        [keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.PReLU(name="prelu"),
          keras.layers.Flatten(), keras.layers.Dense(2)],
         (3,),
     )
     x, y = rng.normal(size=(5, 3)).astype("float32"), rng.normal(size=(5, 2)).astype("float32")
-    _check(model, x, y, {("group_normalization", "gamma"): "any layer: vectorized"})
+    _check(model, x, y, {("prelu", "alpha"): "any layer: vectorized"})
 
 
 def test_method_vectorized_uses_the_fallback_everywhere(rng):

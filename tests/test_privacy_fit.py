@@ -194,3 +194,36 @@ def test_logged_loss_is_the_stock_mean():
     np.testing.assert_allclose(history.history["loss"], stock_history.history["loss"], rtol=1e-6)
     # With a clip that never binds, DP-SGD without noise is stock SGD.
     _assert_close(model.get_weights(), stock.get_weights())
+
+
+def _conv2d():
+    return keras.Sequential([
+        keras.Input((6, 6, 2)),
+        keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Conv2D(16, 2, dilation_rate=2, padding="valid", name="dilated"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3),
+    ])
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 200])
+def test_conv2d_fit_equals_oracle_with_norms_in_chunks(monkeypatch, chunk_elements):
+    """Conv2D norms computed over chunks of the batch (200 floats: 1 example
+    per chunk for the first layer, 2 for the dilated one, an uneven last
+    chunk of 10 examples) and the clipped sum from the filter gradient."""
+    from keras_tapeops.privacy import ghost_conv
+
+    if chunk_elements is not None:
+        monkeypatch.setattr(ghost_conv, "CHUNK_ELEMENTS", chunk_elements)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(10, 6, 6, 2)).astype("float32")
+    y = rng.integers(0, 3, size=(10,))
+    keras.utils.set_random_seed(7)
+    model = kt.upgrade(_conv2d())
+    oracle = keras.models.clone_model(model)
+    oracle.set_weights(model.get_weights())
+    _dp_fit(model, x, y, batch_size=5, epochs=2)
+    expected = _oracle(oracle, np.concatenate([x, x]), np.concatenate([y, y]), _windows(20, 5))
+    _assert_close(model.get_weights(), expected)
+    methods = {m for _, _, m in model.tapeops_state.engine.report()}
+    assert methods >= {"Conv: per-example", "Conv: ghost"}, methods

@@ -90,3 +90,49 @@ def test_noise_is_not_saved_with_the_model(tmp_path, seed):
     loaded = keras.models.load_model(path)
     assert loaded.tapeops_options.differential_privacy.seed == seed
     assert loaded.tapeops_state.engine.variables == []
+
+
+# The generator itself (Box-Muller over Philox uniforms, `noise.gaussian_at`).
+def _draws(size, index=0, step=0, seed=(4, 2)):
+    import tensorflow as tf
+
+    from keras_tapeops.privacy import noise
+
+    key = noise.step_key(tf.constant(seed, tf.int64), step)
+    return tf.function(lambda: noise.gaussian_at([size], key, index, 1.0))().numpy()
+
+
+@pytest.mark.unit
+def test_generator_draws_standard_normals():
+    """Kolmogorov-Smirnov against N(0, 1) on 200k draws, and on each Box-Muller half.
+
+    Each p-value is above 1e-4 unless the draws are not standard normal
+    (chance of a false alarm: 3e-4); the check can fail: uniforms (the
+    generator's inputs) or draws scaled by 1.02 are rejected."""
+    from scipy import stats
+
+    size = 200_001  # odd: the last pair is cut
+    draws = _draws(size)
+    assert draws.shape == (size,) and draws.dtype == np.float32
+    for sample in (draws, draws[: size // 2], draws[size // 2 + 1:]):
+        assert stats.kstest(sample, "norm").pvalue > 1e-4
+    assert stats.kstest(draws * 1.02, "norm").pvalue < 1e-4
+    assert stats.kstest(np.random.default_rng(0).uniform(-2, 2, size), "norm").pvalue < 1e-4
+    # The tails reach past 4 standard deviations as often as a normal's (2 * 3.2e-5 * size = 13).
+    assert 3 <= np.sum(np.abs(draws) > 4) <= 30
+
+
+@pytest.mark.unit
+def test_generator_draws_are_independent_across_halves_variables_and_steps():
+    """Correlations of 100k pairs are within 5 standard errors (5 / sqrt(100k) = 0.016) of 0."""
+    size = 200_000
+    draws = _draws(size)
+    radius_pairs = (draws[: size // 2], draws[size // 2:])  # cos and sin of one pair
+    squared_pairs = (radius_pairs[0] ** 2, radius_pairs[1] ** 2)  # dependent if r is shared badly
+    other_variable = _draws(size, index=1)
+    other_step = _draws(size, step=1)
+    bound = 5 / np.sqrt(size // 2)
+    for a, b in (radius_pairs, squared_pairs, (draws, other_variable), (draws, other_step)):
+        assert abs(np.corrcoef(a, b)[0, 1]) < bound
+    np.testing.assert_array_equal(_draws(size), draws)  # keyed: the same key draws the same
+    assert np.abs(_draws(size, seed=(4, 3)) - draws).max() > 1

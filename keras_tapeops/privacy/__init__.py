@@ -16,8 +16,8 @@ what surrounds it:
 
 Internals, one concern per file: `dpsgd.py` (the option), `engine.py` (the
 per-model step), `sites.py` (which layer owns which variable, recording),
-`ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`,
-`ghost_layer_norm.py` (per-example norms per layer family),
+`ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`, `ghost_depthwise.py`,
+`ghost_layer_norm.py`, `ghost_group_norm.py` (per-example norms per layer family),
 `vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`
 (TensorFlow); `dpsgd.py`, `seeds.py`, `refusals.py` and `accounting.py` serve JAX too.
 See docs/privacy.md for what is guaranteed.

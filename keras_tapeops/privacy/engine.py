@@ -50,7 +50,10 @@ from keras_tapeops.privacy import sites as sites_lib
 from keras_tapeops.privacy.ghost_conv import ConvRule
 from keras_tapeops.privacy.ghost_dense import DenseRule
 from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
+from keras_tapeops.privacy.ghost_depthwise import DepthwiseConvRule
+from keras_tapeops.privacy.ghost_depthwise import SeparableConvRule
 from keras_tapeops.privacy.ghost_embedding import EmbeddingRule
+from keras_tapeops.privacy.ghost_group_norm import GroupNormRule
 from keras_tapeops.privacy.ghost_layer_norm import LayerNormRule
 from keras_tapeops.privacy.rules import Context
 from keras_tapeops.privacy.rules import Part
@@ -58,7 +61,16 @@ from keras_tapeops.privacy.rules import registered_rules
 from keras_tapeops.privacy.vectorized import VectorizedRule
 from keras_tapeops.privacy.vectorized import rows_parts
 
-AUTO_RULES = (DenseRule, EinsumDenseRule, EmbeddingRule, ConvRule, LayerNormRule)
+AUTO_RULES = (
+    DenseRule,
+    EinsumDenseRule,
+    EmbeddingRule,
+    ConvRule,
+    DepthwiseConvRule,
+    SeparableConvRule,
+    LayerNormRule,
+    GroupNormRule,
+)
 NONFINITE_METRIC = "dp_nonfinite_examples"
 
 

@@ -48,19 +48,12 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
         per example for these static shapes (Bu et al.'s mixed rule).
     """
     t, p, o = a.shape[1], a.shape[2], g.shape[2]
-    if t == 1:
-        squared = tf.reduce_sum(a * a, [1, 2]) * tf.reduce_sum(g * g, [1, 2])
-        method = "ghost"
-    elif t is not None and 2 * t * t < p * o:
-        gram_a = tf.einsum("btp,bsp->bts", a, a)
-        gram_g = tf.einsum("bto,bso->bts", g, g)
-        squared = tf.reduce_sum(gram_a * gram_g, [1, 2])
-        method = "ghost"
-    else:
+    if matmul_method(t, p, o) == "per-example":
         # The per-example gradients exist: the clipped sum weights them
         # (no second pass over the positions).
         rows = per_example_part(tf.einsum("btp,bto->bpo", a, g), scale, [p, o])
         return Part(rows.squared_norms, lambda c: kernel_from_matrix(rows.weighted(c)), rows.method)
+    squared, method = matmul_squared_norms(a, g)
     squared = squared / (scale * scale)
 
     def weighted(c):
@@ -69,6 +62,46 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
         return kernel_from_matrix(tf.matmul(flat_a, flat_g, transpose_a=True))
 
     return Part(squared, weighted, method)
+
+
+def matmul_method(positions, inputs, outputs):
+    """`"ghost"` when two `T x T` Gramians hold less than a `P x O` gradient, else `"per-example"`.
+
+    Args:
+        positions: T (None when not static: per example).
+        inputs, outputs: P and O.
+
+    Returns:
+        The method Bu et al.'s mixed rule picks for these static shapes.
+    """
+    if positions == 1 or (positions is not None and 2 * positions * positions < inputs * outputs):
+        return "ghost"
+    return "per-example"
+
+
+def matmul_squared_norms(a, g):
+    """`(squared, method)`: `||A_i^T G_i||_F^2` per example, by `matmul_method`'s choice.
+
+    Args:
+        a: `[B, T, P]` float32.
+        g: `[B, T, O]` float32.
+
+    Returns:
+        `[B]` float32 squared norms (in the units of `a` and `g`) and the
+        method name.
+    """
+    t, p, o = a.shape[1], a.shape[2], g.shape[2]
+    method = matmul_method(t, p, o)
+    if t == 1:
+        squared = tf.reduce_sum(a * a, [1, 2]) * tf.reduce_sum(g * g, [1, 2])
+    elif method == "ghost":
+        gram_a = tf.einsum("btp,bsp->bts", a, a)
+        gram_g = tf.einsum("bto,bso->bts", g, g)
+        squared = tf.reduce_sum(gram_a * gram_g, [1, 2])
+    else:
+        rows = tf.einsum("btp,bto->bpo", a, g)
+        squared = tf.reduce_sum(rows * rows, [1, 2])
+    return squared, method
 
 
 def per_example_part(

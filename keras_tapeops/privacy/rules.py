@@ -1,7 +1,8 @@
 """The protocol of a clipping rule: how one site yields per-example norms and the clipped sum.
 
 A rule (one per layer family: `ghost_dense`, `ghost_embedding`, `ghost_conv`,
-`ghost_layer_norm`, and the `vectorized` fallback) has two steps:
+`ghost_depthwise`, `ghost_layer_norm`, `ghost_group_norm`, and the
+`vectorized` fallback) has two steps:
 
 - `forward(layer, original_call, args, kwargs) -> (outputs, record)`: runs
   the layer in the forward pass and records what it needs (its inputs, and
