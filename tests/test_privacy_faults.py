@@ -305,6 +305,52 @@ def test_a_non_finite_example_contributes_zero_and_is_counted(fault, method):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fault", ["overflow_inside", "nan_input"])
+def test_a_non_finite_example_inside_a_cnn_contributes_zero(fault):
+    """Convolutions, depthwise and GroupNormalization: an example whose
+    activations overflow inside the network (finite input, infinite loss and
+    norms) or whose input is NaN is zeroed, the others clipped as usual
+    (the rules run again on zeroed records only for such a batch)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(8, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    bad = 2
+    x[bad, 0, 0, 0] = 1e3 if fault == "overflow_inside" else np.nan  # exp(~300) = inf
+
+    def cnn():
+        return keras.Sequential([
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(4, 3, padding="same", activation="exponential"),
+            keras.layers.GroupNormalization(2),
+            keras.layers.DepthwiseConv2D(3, strides=2, padding="same"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ])
+
+    keras.utils.set_random_seed(3)
+    model = kt.upgrade(cnn())
+    start = model.get_weights()
+    clip, sigma, seed = 0.3, 0.7, 4
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse",
+                  differential_privacy=kt.DPSGD(clip, sigma, seed=seed))
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert history.history["dp_nonfinite_examples"] == [1.0]
+    methods = {m for _, _, m in model.tapeops_state.engine.report()}
+    assert not any("vectorized" in m for m in methods), methods
+
+    oracle = cnn()
+    oracle.set_weights(start)
+    oracle.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    keep = np.ones(8, bool)
+    keep[bad] = False
+    for step in range(2):
+        rows = slice(4 * step, 4 * step + 4)
+        _oracle_step(oracle, x[rows], y[rows], keep[rows], clip, sigma, seed, step)
+    for a, b in zip(model.get_weights(), oracle.get_weights()):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_non_finite_example_under_jit_equals_the_graph_step():
     """XLA: the same zeroing (noise 0: XLA draws other noise than the graph)."""
     rng = np.random.default_rng(1)

@@ -151,28 +151,45 @@ class DPSGDState(MultiGradientState):
         parts, losses, y_pred = self.forward_parts(model, x, y)
         mask = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
         n = tf.shape(losses)[0]
-        squared = tf.add_n([p.squared_norms for p in parts.values()])
-        clip = tf.cast(self.option.l2_norm_clip, tf.float32)
-        weights = tf.minimum(1.0, clip / tf.sqrt(squared))
-        logged = mask
-        if _zeroes_nonfinite(model.optimizer):
-            # A non-finite example's norm is +inf (see `_parts`): weight 0,
-            # left out of the logged loss like a masked row, and counted.
+        factor = self._sum_factor(model, n, loss_multiplier)
+        used = [v for v in model.trainable_weights if id(v) in parts]
+        zeroing = parts.all_finite is not None
+
+        def clipped_sum(parts):
+            squared = tf.add_n([p.squared_norms for p in parts.values()])
+            clip = tf.cast(self.option.l2_norm_clip, tf.float32)
+            weights = tf.minimum(1.0, clip / tf.sqrt(squared))
+            # A non-finite example's norm is +inf (see `_BackwardPass`): weight 0.
             finite = tf.cast(tf.math.is_finite(squared), tf.float32)
-            weights = weights * finite
+            if zeroing:
+                weights = weights * finite
+            if mask is not None:
+                weights = weights * mask
+            weights = weights * factor
+            return [_as_dtype(parts[id(v)].weighted(weights), v.dtype) for v in used], finite
+
+        if zeroing:
+            # Every example finite (the common case): the rules' parts of the
+            # records as they are. Otherwise the rules run again on records
+            # whose non-finite entries are zeroed, so `0 * nan` never reaches
+            # the sum (the same result where every example is finite).
+            sums, finite = tf.cond(
+                parts.all_finite,
+                lambda: clipped_sum(parts),
+                lambda: clipped_sum(parts.sanitized()),
+            )
+            # A non-finite example is left out of the logged loss like a
+            # masked row, and counted.
             losses = tf.where(finite > 0, losses, 0.0)
             logged = finite if mask is None else finite * mask
             nonfinite = 1.0 - finite if mask is None else (1.0 - finite) * mask
             self.metrics[NONFINITE_METRIC].update_state(tf.reduce_sum(nonfinite))
+        else:
+            sums, _ = clipped_sum(parts)
+            logged = mask
         self._log_loss(model, losses, logged, n)
-        if mask is not None:
-            weights = weights * mask
-        weights = weights * self._sum_factor(model, n, loss_multiplier)
-        grads = []
-        for variable in model.trainable_weights:
-            part = parts.get(id(variable))
-            grad = None if part is None else _as_dtype(part.weighted(weights), variable.dtype)
-            grads.append(grad)
+        by_id = {id(v): g for v, g in zip(used, sums)}
+        grads = [by_id.get(id(variable)) for variable in model.trainable_weights]
         self.samples.assign_add(tf.cast(n, tf.float32))
         return grads, y_pred
 
@@ -184,9 +201,14 @@ class DPSGDState(MultiGradientState):
             x, y: the (micro-)batch.
 
         Returns:
-            `(parts, losses, y_pred)`: `id(variable) -> Part` (per-example
-            squared norms and the clip-weighted sum), the `[B]` per-example
-            losses, and the model's outputs.
+            `(parts, losses, y_pred)`: `parts` (a `Parts` dict) maps
+            `id(variable)` to its `Part` (per-example squared norms and the
+            clip-weighted sum) from the records as they are; the `[B]`
+            per-example losses; the model's outputs. Outside a
+            LossScaleOptimizer `parts.all_finite` (bool: every example's
+            data, loss and squared norm are finite) and `parts.sanitized()`
+            (the parts of records whose non-finite entries are zeroed) are
+            set; under one they are None.
         """
         if self.sites is None:
             _build(model, x)
@@ -213,76 +235,21 @@ class DPSGDState(MultiGradientState):
             _check_added_losses(model)
             scaled = losses * scale
             objective = tf.reduce_sum(scaled)
-        parts = self._parts(model, tape, recorder, objective, scaled, scale, finite_data)
+        backward = _BackwardPass(self, model, tape, recorder, objective, scaled, scale)
+        parts = Parts(backward.parts())
+        if finite_data is not None:
+            squared = tf.add_n([p.squared_norms for p in parts.values()])
+            parts.all_finite = tf.reduce_all(
+                tf.stack(
+                    [
+                        tf.reduce_all(finite_data),
+                        tf.reduce_all(tf.math.is_finite(scaled)),
+                        tf.reduce_all(tf.math.is_finite(squared)),
+                    ]
+                )
+            )
+            parts.sanitized = lambda: backward.parts(finite_data)
         return parts, losses, y_pred
-
-    def _parts(self, model, tape, recorder, objective, scaled, scale, finite_data=None):
-        """`id(variable) -> Part` for every trainable variable the forward pass used.
-
-        Outside a LossScaleOptimizer, an example whose data (`finite_data`
-        False: its inputs or targets, zeroed by `forward_parts`), loss,
-        recorded layer inputs or output gradients are not finite gets the
-        squared norm +inf (its clip weight is then 0), and the rules see
-        those tensors with non-finite entries replaced by zeros, so its
-        zero-weighted row adds exactly zero to the clipped sum.
-        """
-        sanitize = finite_data is not None
-        global_variables = list(self.orphans) + [
-            v for v in recorder.foreign.values() if all(v is not o for o in self.orphans)
-        ]
-        global_ids = {id(v) for v in global_variables}
-        called = [s for s in self.sites if recorder.invocations[id(s.layer)]]
-        flat_z = [
-            z for s in called for record in recorder.invocations[id(s.layer)] for z in record["z"]
-        ]
-        flat_grads = tape.gradient(
-            objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-        context = Context(tape, scale, bool(model.jit_compile), sanitize=sanitize)
-        finite_rows = [finite_data, tf.math.is_finite(scaled)] if sanitize else []
-        parts = {}
-        position = 0
-        for site in called:
-            records = recorder.invocations[id(site.layer)]
-            grads = []
-            for record in records:
-                grads.append(flat_grads[position : position + len(record["z"])])
-                position += len(record["z"])
-            if sanitize:
-                finite_rows.extend(
-                    _finite_rows(t) for record in records for t in _floating([record.get("a")])
-                )
-                finite_rows.extend(_finite_rows(g) for gz in grads for g in _floating(gz))
-                records = [_zeroed_record(record) for record in records]
-                grads = [[_finite_or_zero(g) for g in gz] for gz in grads]
-            for vid, part in site.rule.clip(site, records, grads, context).items():
-                if vid in global_ids:
-                    continue
-                parts[vid] = part
-                self.methods[(site.path, _name_of(site, vid))] = (
-                    f"{site.rule.family}: {part.method}"
-                )
-        if global_variables:
-            used = [v for v in global_variables if any(v is t for t in model.trainable_weights)]
-            for vid, part in rows_parts(
-                tape, scaled, used, scale, sites_lib.GLOBAL, sanitize=sanitize
-            ).items():
-                parts[vid] = part
-            for v in used:
-                self.methods[("(read outside its layer)", v.path)] = sites_lib.GLOBAL
-        if not parts:
-            raise ValueError(
-                "DPSGD found no trainable variable used by the forward pass. "
-                f"Received: model={model.name!r}"
-            )
-        if sanitize:
-            finite = tf.reduce_all(tf.stack(finite_rows), axis=0)
-            first = next(iter(parts))
-            part = parts[first]
-            parts[first] = Part(
-                tf.where(finite, part.squared_norms, math.inf), part.weighted, part.method
-            )
-        return parts
 
     def _sum_factor(self, model, n, loss_multiplier):
         """What the clipped sum is multiplied by so the step's pipeline keeps it a sum.
@@ -353,6 +320,99 @@ class DPSGDState(MultiGradientState):
             if method == sites_lib.GLOBAL:
                 rows.append((path, name, method))
         return rows
+
+
+class Parts(dict):
+    """`id(variable) -> Part`, with the non-finite handling of `forward_parts` as attributes."""
+
+    all_finite = None
+    sanitized = None
+
+
+class _BackwardPass:
+    """The gradients of the objective with respect to every recorded `z`, and the rules' parts.
+
+    The gradients are taken once; `parts` may run the rules twice (on the
+    records as they are, and on zeroed ones).
+    """
+
+    def __init__(self, engine, model, tape, recorder, objective, scaled, scale):
+        self.engine, self.model, self.tape = engine, model, tape
+        self.recorder, self.scaled, self.scale = recorder, scaled, scale
+        self.called = [s for s in engine.sites if recorder.invocations[id(s.layer)]]
+        flat_z = [
+            z
+            for s in self.called
+            for record in recorder.invocations[id(s.layer)]
+            for z in record["z"]
+        ]
+        self.flat_grads = tape.gradient(
+            objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+
+    def parts(self, finite_data=None):
+        """`id(variable) -> Part` for every trainable variable the forward pass used.
+
+        With `finite_data` (outside a LossScaleOptimizer, when some example
+        is not finite), an example whose data (`finite_data` False: its
+        inputs or targets, zeroed by `forward_parts`), loss, recorded layer
+        inputs or output gradients are not finite gets the squared norm +inf
+        (its clip weight is then 0), and the rules see those tensors with
+        non-finite entries replaced by zeros, so its zero-weighted row adds
+        exactly zero to the clipped sum.
+        """
+        engine, model, tape, recorder = self.engine, self.model, self.tape, self.recorder
+        scaled, scale = self.scaled, self.scale
+        sanitize = finite_data is not None
+        global_variables = list(engine.orphans) + [
+            v for v in recorder.foreign.values() if all(v is not o for o in engine.orphans)
+        ]
+        global_ids = {id(v) for v in global_variables}
+        context = Context(tape, scale, bool(model.jit_compile), sanitize=sanitize)
+        finite_rows = [finite_data, tf.math.is_finite(scaled)] if sanitize else []
+        parts = {}
+        position = 0
+        for site in self.called:
+            records = recorder.invocations[id(site.layer)]
+            grads = []
+            for record in records:
+                grads.append(self.flat_grads[position : position + len(record["z"])])
+                position += len(record["z"])
+            if sanitize:
+                finite_rows.extend(
+                    _finite_rows(t) for record in records for t in _floating([record.get("a")])
+                )
+                finite_rows.extend(_finite_rows(g) for gz in grads for g in _floating(gz))
+                records = [_zeroed_record(record) for record in records]
+                grads = [[_finite_or_zero(g) for g in gz] for gz in grads]
+            for vid, part in site.rule.clip(site, records, grads, context).items():
+                if vid in global_ids:
+                    continue
+                parts[vid] = part
+                engine.methods[(site.path, _name_of(site, vid))] = (
+                    f"{site.rule.family}: {part.method}"
+                )
+        if global_variables:
+            used = [v for v in global_variables if any(v is t for t in model.trainable_weights)]
+            for vid, part in rows_parts(
+                tape, scaled, used, scale, sites_lib.GLOBAL, sanitize=sanitize
+            ).items():
+                parts[vid] = part
+            for v in used:
+                engine.methods[("(read outside its layer)", v.path)] = sites_lib.GLOBAL
+        if not parts:
+            raise ValueError(
+                "DPSGD found no trainable variable used by the forward pass. "
+                f"Received: model={model.name!r}"
+            )
+        if sanitize:
+            finite = tf.reduce_all(tf.stack(finite_rows), axis=0)
+            first = next(iter(parts))
+            part = parts[first]
+            parts[first] = Part(
+                tf.where(finite, part.squared_norms, math.inf), part.weighted, part.method
+            )
+        return parts
 
 
 def regularization(variables):
