@@ -199,6 +199,7 @@ def test_logged_loss_is_the_stock_mean():
 def _conv2d():
     return keras.Sequential([
         keras.Input((6, 6, 2)),
+        keras.layers.Conv2D(3, 2, padding="same", activation="tanh", name="kept_rows"),
         keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
         keras.layers.Conv2D(16, 2, dilation_rate=2, padding="valid", name="dilated"),
         keras.layers.Flatten(),
@@ -209,8 +210,10 @@ def _conv2d():
 @pytest.mark.parametrize("chunk_elements", [None, 200])
 def test_conv2d_fit_equals_oracle_with_norms_in_chunks(monkeypatch, chunk_elements):
     """Conv2D norms computed over chunks of the batch (200 floats: 1 example
-    per chunk for the first layer, 2 for the dilated one, an uneven last
-    chunk of 10 examples) and the clipped sum from the filter gradient."""
+    per chunk for most layers, 2 for the dilated one: an uneven last chunk of
+    5 examples), the clipped sum from the filter gradient, or from the
+    per-example gradients where they are smaller than the output gradients
+    (`kept_rows`: 8 x 3 per example vs 36 x 3)."""
     from keras_tapeops.privacy import ghost_conv
 
     if chunk_elements is not None:

@@ -65,26 +65,40 @@ class ConvRule:
         inputs = [_padded_input(layer, r["a"]) for r in records]
         outputs = [_channels_last(layer, float32(gz[0])) for gz in grads]
 
-        def norms(xs, gs):
-            a = tf.concat([_patches(layer, x) for x in xs], axis=1)
-            g = tf.concat([_positions(g, kernel.shape[-1]) for g in gs], axis=1)
-            return matmul_squared_norms(a, g)[0]
-
         sizes = [static_product(g.shape[1:-1]) for g in outputs]
         positions = None if None in sizes else sum(sizes)
         patch_size = static_product(kernel.shape[:-1])
-        method = matmul_method(positions, patch_size, kernel.shape[-1])
+        filters = kernel.shape[-1]
+        method = matmul_method(positions, patch_size, filters)
+        # Per-example gradients smaller than the output gradients (few input
+        # channels, many positions: a first layer) are kept for the clipped
+        # sum, so the output gradients are freed once the norms are known.
+        keep_rows = method == "per-example" and positions is not None and patch_size < positions
+
+        def norms(xs, gs):
+            a = tf.concat([_patches(layer, x) for x in xs], axis=1)
+            g = tf.concat([_positions(g, filters) for g in gs], axis=1)
+            if keep_rows:
+                rows = tf.einsum("btp,bto->bpo", a, g)
+                rows = tf.reshape(rows, [-1, patch_size * filters])
+                return [tf.reduce_sum(rows * rows, 1), rows]
+            return [matmul_squared_norms(a, g)[0]]
+
         if positions is None:  # spatial sizes known only at run time: one chunk
-            squared = norms(inputs, outputs)
+            results = norms(inputs, outputs)
         else:
             # patches and output gradients, then two Gramians or the gradients
-            per_example = positions * (patch_size + kernel.shape[-1]) + (
-                2 * positions * positions if method == "ghost" else patch_size * kernel.shape[-1]
+            per_example = positions * (patch_size + filters) + (
+                2 * positions * positions if method == "ghost" else patch_size * filters
             )
-            squared = chunked_norms(norms, inputs, outputs, per_example)
-        squared = squared / (context.scale * context.scale)
+            shapes = [(), (patch_size * filters,)] if keep_rows else [()]
+            results = chunked_norms(norms, inputs, outputs, per_example, shapes)
+        squared = results[0] / (context.scale * context.scale)
 
         def weighted(c):
+            if keep_rows:
+                matrix = tf.linalg.matvec(results[1], c, transpose_a=True)
+                return _kernel_from_matrix(layer, tf.reshape(matrix, [patch_size, filters]))
             return tf.add_n(
                 [
                     _filter_gradient(layer, x, g * _along_batch(c, g))
@@ -109,22 +123,25 @@ class ConvRule:
 CHUNK_ELEMENTS = 2**18
 
 
-def chunked_norms(norms, inputs, outputs, per_example):
-    """`norms(inputs, outputs)` (`[B]`) computed over chunks of the batch, one after another.
+def chunked_norms(norms, inputs, outputs, per_example, shapes=((),)):
+    """`norms(inputs, outputs)` computed over chunks of the batch, one after another.
 
     Args:
-        norms: callable `(inputs, outputs) -> [b]` for a chunk of `b` examples.
+        norms: callable `(inputs, outputs) -> list of [b, ...] tensors` for a
+            chunk of `b` examples (the squared norms first).
         inputs, outputs: lists of `[B, ...]` tensors (the layer's calls).
         per_example: floats `norms` allocates per example (static).
+        shapes: the static shape of one example's entry of each result.
 
     Returns:
-        `[B]` float32. The batch is padded with zeros to whole chunks; a
-        `tf.while_loop` with `parallel_iterations=1` bounds the memory to one
-        chunk's. A batch no larger than a chunk (static size) is one call.
+        The list of `[B, ...]` float32 results. The batch is padded with
+        zeros to whole chunks; a `tf.while_loop` with `parallel_iterations=1`
+        bounds the memory to one chunk's. A batch no larger than a chunk
+        (static size) is one call.
 
     Example:
     ```python
-    chunked_norms(lambda xs, gs: tf.reduce_sum(xs[0] ** 2, 1), [x], [g], per_example=4)
+    chunked_norms(lambda xs, gs: [tf.reduce_sum(xs[0] ** 2, 1)], [x], [g], per_example=4)
     ```
     """
     chunk = max(1, CHUNK_ELEMENTS // max(1, per_example))
@@ -141,18 +158,23 @@ def chunked_norms(norms, inputs, outputs, per_example):
 
     xs, gs = [split(x) for x in inputs], [split(g) for g in outputs]
 
-    def body(i, array):
-        pick = lambda t, like: tf.ensure_shape(tf.gather(t, i), [chunk, *like.shape[1:]])  # noqa: E731
-        value = norms(
-            [pick(x, o) for x, o in zip(xs, inputs)], [pick(g, o) for g, o in zip(gs, outputs)]
-        )
-        return i + 1, array.write(i, value)
+    def pick(i, tensors, like):
+        return [
+            tf.ensure_shape(tf.gather(t, i), [chunk, *o.shape[1:]]) for t, o in zip(tensors, like)
+        ]
 
-    array = tf.TensorArray(tf.float32, size=count, element_shape=[chunk])
-    _, array = tf.while_loop(
-        lambda i, _: i < count, body, [tf.constant(0), array], parallel_iterations=1
+    arrays = [
+        tf.TensorArray(tf.float32, size=count, element_shape=[chunk, *shape]) for shape in shapes
+    ]
+
+    def body(i, arrays):
+        values = norms(pick(i, xs, inputs), pick(i, gs, outputs))
+        return i + 1, [array.write(i, value) for array, value in zip(arrays, values)]
+
+    _, arrays = tf.while_loop(
+        lambda i, _: i < count, body, [tf.constant(0), arrays], parallel_iterations=1
     )
-    return tf.reshape(array.stack(), [-1])[:batch]
+    return [tf.reshape(array.stack(), [-1, *shape])[:batch] for array, shape in zip(arrays, shapes)]
 
 
 def _along_batch(c, tensor):
@@ -197,6 +219,18 @@ def _channels_last(layer, tensor):
         rank = tensor.shape.rank
         return tf.transpose(tensor, [0] + list(range(2, rank)) + [1])
     return tensor
+
+
+def _kernel_from_matrix(layer, matrix):
+    """A `[patch features, filters]` matrix (`_patches`' order) in the kernel's shape."""
+    kernel_shape = layer.kernel.shape
+    if layer.rank == 3:  # extract_volume_patches: (offsets..., channel), the kernel's order
+        return tf.reshape(matrix, kernel_shape)
+    # channel_patches: (channel, offsets...) -> (offsets..., channel)
+    spatial = list(kernel_shape[:-2])
+    by_channel = [kernel_shape[-2], *spatial, kernel_shape[-1]]
+    perm = [*range(1, len(spatial) + 1), 0, len(spatial) + 1]
+    return tf.transpose(tf.reshape(matrix, by_channel), perm)
 
 
 def _padded_input(layer, inputs):
