@@ -110,7 +110,10 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
     with momentum:
-        traced = tf.function(one_pass).get_concrete_function(
+        # autograph=False: Keras traces its own step functions unconverted
+        # (`do_not_convert`), and converting this module's code cost the
+        # first epoch about 2 s on MobileNetV2 (bench/first_epoch.py).
+        traced = tf.function(one_pass, autograph=False).get_concrete_function(
             _spec(groups[0][2](0), batch=True),
             tf.TensorSpec([], tf.int32),
             _spec(bn_state, batch=False),
