@@ -230,3 +230,31 @@ def test_conv2d_fit_equals_oracle_with_norms_in_chunks(monkeypatch, chunk_elemen
     _assert_close(model.get_weights(), expected)
     methods = {m for _, _, m in model.tapeops_state.engine.report()}
     assert methods >= {"Conv: per-example", "Conv: ghost"}, methods
+
+
+@pytest.mark.parametrize("mode", ["jit", "mirrored", "mixed_float16", "steps_per_execution"])
+def test_conv2d_chunked_norms_under_the_fault_matrix(monkeypatch, mirrored, mode):
+    """The chunked Conv2D norms (a while_loop over chunks of 1-2 examples)
+    under XLA, two replicas (3 examples each: an uneven last chunk),
+    mixed precision (float16 patches cast to float32) and several steps per
+    execution equal the per-example oracle."""
+    from keras_tapeops.privacy import ghost_conv
+
+    monkeypatch.setattr(ghost_conv, "CHUNK_ELEMENTS", 200)
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(12, 6, 6, 2)).astype("float32")
+    y = rng.integers(0, 3, size=(12,))
+    keras.utils.set_random_seed(7)
+    oracle = _conv2d()
+    start = oracle.get_weights()
+    expected = _oracle(oracle, x, y, _windows(12, 6))
+    if mode == "mixed_float16":
+        keras.config.set_dtype_policy("mixed_float16")
+    strategy = mirrored if mode == "mirrored" else None
+    scope = strategy.scope() if strategy is not None else _null()
+    with scope:
+        model = kt.upgrade(_conv2d())
+        model.set_weights(start)
+    options = {"jit": {"jit_compile": True}, "steps_per_execution": {"steps_per_execution": 2}}
+    _dp_fit(model, x, y, batch_size=6, strategy=strategy, **options.get(mode, {}))
+    _assert_close(model.get_weights(), expected, atol=2e-3 if mode == "mixed_float16" else 1e-6)
