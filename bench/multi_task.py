@@ -18,6 +18,9 @@ sum; gradient methods <= 1.05x floor; `MGDA(on="representation")` <= 1.5x
 sum. `MeasureConflict(30)` has no target: it shows the cost falling with `every`. Also compares the two ways of computing the rows (`pfor` Jacobian vs
 one `tape.gradient` per task, `keras_tapeops.multitask.engine.JACOBIAN_METHOD`).
 
+Also prints each candidate's step memory: TensorFlow's CPU allocator peak
+during one `train_on_batch` above what was allocated before it (MiB), per K.
+
 Run: python bench/multi_task.py [--rounds 5] [--ks 2 4 8]  (several minutes on 2 cores)
 """
 
@@ -27,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator statistics; before TensorFlow loads
 
 from common import interleaved  # noqa: E402
 
@@ -44,7 +48,7 @@ class FloorModel(keras.Model):
     """The hand-written loop: one `tape.gradient` per task on a persistent tape."""
 
     def train_step(self, data):
-        x, y = data
+        x, y = data[0], data[1]  # train_on_batch passes (x, y, sample_weight)
         shared = [v for v in self.trainable_variables if v.path.split("/")[0] in SHARED]
         heads = [v for v in self.trainable_variables if v.path.split("/")[0] not in SHARED]
         with tf.GradientTape(persistent=True) as tape:
@@ -98,6 +102,9 @@ GRADIENT_METHODS = {"PCGrad", "PCGrad (pfor rows)", "MGDA", "CAGrad", "IMTLG", "
 WEIGHTINGS = {"UncertaintyWeighting", "DWA", "FAMO", "MeasureConflict(10)"}
 
 
+peaks = {}  # name -> step MiB of the K being measured
+
+
 def candidates(k):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(N, FEATURES)).astype("float32")
@@ -105,10 +112,17 @@ def candidates(k):
     loss = {name: "mse" for name in y}
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache().prefetch(2)
     fits = {}
+    xb = tf.constant(x[:BATCH])
+    yb = {name: tf.constant(values[:BATCH]) for name, values in y.items()}
 
     def prepare(name, model):
         model.fit(data, epochs=1, verbose=0)  # trace
         fits[name] = lambda: model.fit(data, epochs=1, verbose=0)
+        model.train_on_batch(xb, yb)  # traces the single-batch function
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model.train_on_batch(xb, yb)
+        peaks[name] = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20
 
     keras.utils.set_random_seed(0)
     stock = build(k)
@@ -132,10 +146,13 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args()
     table = {}
+    memory = {}
     for k in args.ks:
+        peaks.clear()
         times = {name: min(values) for name, values in interleaved(candidates(k), args.rounds).items()}
         for name, best in times.items():
             table.setdefault(name, {})[k] = (best, best / times["sum"], best / times["floor"])
+            memory.setdefault(name, {})[k] = peaks[name]
         keras.backend.clear_session()
     print(f"\ntime per epoch ({N} samples, batch {BATCH}): fastest of {args.rounds} "
           "interleaved rounds")
@@ -145,6 +162,11 @@ def main():
         cells = "".join(
             f" | {row[k][0] * 1000:8.0f} {row[k][1]:6.2f} {row[k][2]:7.2f}" for k in args.ks
         )
+        print(f"{name:<22}{cells}")
+    print("\nstep memory (allocator peak of one train_on_batch above the start, MiB)")
+    print(f"{'method':<22}" + "".join(f" | K={k}: MiB  x floor" for k in args.ks))
+    for name, row in memory.items():
+        cells = "".join(f" | {row[k]:8.1f} {row[k] / memory['floor'][k]:7.2f}" for k in args.ks)
         print(f"{name:<22}{cells}")
     print("\ntargets: loss weightings and MeasureConflict(10) <= 1.10x sum; gradient methods "
           "<= 1.05x floor; MGDA representation <= 1.5x sum")
