@@ -159,7 +159,7 @@ def resident_mib(model, batch):
     return size / 2**20
 
 
-def noise_ms(model, rounds):
+def noise_ms(model):
     """Milliseconds of the noise draw alone for `model`'s trainable variables (median)."""
     from keras_tapeops.privacy import noise
 
@@ -196,7 +196,7 @@ def measure(kind, rounds):
 
     times = interleaved({config: run(config) for config in built}, rounds)
     report = built["auto"][0].tapeops_state.engine.report()
-    return times, memory, report, noise_ms(built["auto"][0], rounds)
+    return times, memory, report, noise_ms(built["auto"][0])
 
 
 def main():

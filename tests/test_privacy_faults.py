@@ -293,13 +293,20 @@ def test_a_non_finite_example_contributes_zero_and_is_counted(fault, method):
 
     oracle = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
                                keras.layers.Dense(2)])
+    _assert_equals_the_oracle_without(model, oracle, start, x, y, bad, 8, (clip, sigma, seed))
+
+
+def _assert_equals_the_oracle_without(model, oracle, start, x, y, bad, batch, dp):
+    """`model`'s weights equal the per-example oracle's (from `start`, SGD 0.5,
+    mse) over batches of `batch` rows with example `bad` left out; `dp` is
+    `(clip, sigma, seed)`."""
     oracle.set_weights(start)
     oracle.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
-    keep = np.ones(16, bool)
+    keep = np.ones(len(x), bool)
     keep[bad] = False
-    for step in range(2):
-        rows = slice(8 * step, 8 * step + 8)
-        _oracle_step(oracle, x[rows], y[rows], keep[rows], clip, sigma, seed, step)
+    for step in range(len(x) // batch):
+        rows = slice(batch * step, batch * step + batch)
+        _oracle_step(oracle, x[rows], y[rows], keep[rows], *dp, step)
     for a, b in zip(model.get_weights(), oracle.get_weights()):
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -338,17 +345,7 @@ def test_a_non_finite_example_inside_a_cnn_contributes_zero(fault):
     methods = {m for _, _, m in model.tapeops_state.engine.report()}
     assert not any("vectorized" in m for m in methods), methods
 
-    oracle = cnn()
-    oracle.set_weights(start)
-    oracle.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
-    keep = np.ones(8, bool)
-    keep[bad] = False
-    for step in range(2):
-        rows = slice(4 * step, 4 * step + 4)
-        _oracle_step(oracle, x[rows], y[rows], keep[rows], clip, sigma, seed, step)
-    for a, b in zip(model.get_weights(), oracle.get_weights()):
-        assert np.isfinite(a).all()
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_equals_the_oracle_without(model, cnn(), start, x, y, bad, 4, (clip, sigma, seed))
 
 
 def test_a_non_finite_example_under_jit_equals_the_graph_step():

@@ -32,6 +32,7 @@ import tensorflow as tf
 from keras_tapeops.privacy.ghost_dense import matmul_method
 from keras_tapeops.privacy.ghost_dense import matmul_squared_norms
 from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.ghost_dense import positions
 from keras_tapeops.privacy.ghost_dense import static_product
 from keras_tapeops.privacy.rules import Part
 from keras_tapeops.privacy.rules import float32
@@ -63,13 +64,13 @@ class ConvRule:
         layer = site.layer
         kernel = layer.kernel
         inputs = [_padded_input(layer, r["a"]) for r in records]
-        outputs = [_channels_last(layer, float32(gz[0])) for gz in grads]
+        outputs = [channels_last(layer, float32(gz[0])) for gz in grads]
 
         sizes = [static_product(g.shape[1:-1]) for g in outputs]
-        positions = None if None in sizes else sum(sizes)
+        position_count = None if None in sizes else sum(sizes)
         patch_size = static_product(kernel.shape[:-1])
         filters = kernel.shape[-1]
-        method = matmul_method(positions, patch_size, filters)
+        method = matmul_method(position_count, patch_size, filters)
         # Per-example gradients smaller than the output gradients (few input
         # channels, many positions: a first layer) are kept for the clipped
         # sum, so the output gradients are freed once the norms are known.
@@ -77,23 +78,25 @@ class ConvRule:
         # output gradient together, as the second convolution of
         # bench/privacy.py's CNN, took its step 1.65x -> 1.55x stock but its
         # step memory 34 -> 41 MiB: the stacked chunks are copied once.)
-        keep_rows = method == "per-example" and positions is not None and patch_size < positions
+        keep_rows = (
+            method == "per-example" and position_count is not None and patch_size < position_count
+        )
 
         def norms(xs, gs):
             a = tf.concat([_patches(layer, x) for x in xs], axis=1)
-            g = tf.concat([_positions(g, filters) for g in gs], axis=1)
+            g = tf.concat([positions(g, filters) for g in gs], axis=1)
             if keep_rows:
                 rows = tf.einsum("btp,bto->bpo", a, g)
                 rows = tf.reshape(rows, [-1, patch_size * filters])
                 return [tf.reduce_sum(rows * rows, 1), rows]
             return [matmul_squared_norms(a, g)[0]]
 
-        if positions is None:  # spatial sizes known only at run time: one chunk
+        if position_count is None:  # spatial sizes known only at run time: one chunk
             results = norms(inputs, outputs)
         else:
             # patches and output gradients, then two Gramians or the gradients
-            per_example = positions * (patch_size + filters) + (
-                2 * positions * positions if method == "ghost" else patch_size * filters
+            per_example = position_count * (patch_size + filters) + (
+                2 * position_count**2 if method == "ghost" else patch_size * filters
             )
             shapes = [(), (patch_size * filters,)] if keep_rows else [()]
             results = chunked_norms(norms, inputs, outputs, per_example, shapes)
@@ -222,7 +225,8 @@ def _filter_gradient(layer, x, g):
     )
 
 
-def _channels_last(layer, tensor):
+def channels_last(layer, tensor):
+    """`tensor` with a `data_format="channels_first"` layer's channel axis moved last."""
     if layer.data_format == "channels_first":
         rank = tensor.shape.rank
         return tf.transpose(tensor, [0] + list(range(2, rank)) + [1])
@@ -243,7 +247,7 @@ def _kernel_from_matrix(layer, matrix):
 
 def _padded_input(layer, inputs):
     """The layer's input as channels-last float32, with causal padding applied."""
-    x = _channels_last(layer, float32(inputs))
+    x = channels_last(layer, float32(inputs))
     if layer.padding == "causal":
         left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
         x = tf.pad(x, [[0, 0], [left, 0], [0, 0]])
@@ -267,10 +271,7 @@ def _patches(layer, x):
         )
     else:
         patches = channel_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate, padding)
-    positions = static_product(patches.shape[1:-1])
-    return tf.reshape(
-        patches, [tf.shape(patches)[0], positions if positions else -1, patches.shape[-1]]
-    )
+    return positions(patches, patches.shape[-1])
 
 
 def channel_patches(x, kernel_size, strides, dilation_rate, padding):
@@ -305,9 +306,3 @@ def channel_patches(x, kernel_size, strides, dilation_rate, padding):
         padding=padding.upper(),
         dilations=dilation_rate if max(dilation_rate) > 1 else None,
     )
-
-
-def _positions(grad, filters):
-    """Channels-last `grad` as `[B, T, filters]`, T static if known."""
-    positions = static_product(grad.shape[1:-1])
-    return tf.reshape(grad, [tf.shape(grad)[0], positions if positions else -1, filters])

@@ -29,8 +29,10 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops.privacy.ghost_conv import channel_patches
+from keras_tapeops.privacy.ghost_conv import channels_last
 from keras_tapeops.privacy.ghost_dense import matmul_parts
 from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.ghost_dense import positions
 from keras_tapeops.privacy.ghost_dense import static_product
 from keras_tapeops.privacy.rules import first_input
 from keras_tapeops.privacy.rules import float32
@@ -167,18 +169,10 @@ def _bias_rows(layer, grad):
     return tf.reduce_sum(g, [i for i in range(1, rank) if i != axis])
 
 
-def _channels_last(layer, tensor):
-    if layer.data_format == "channels_first":
-        rank = tensor.shape.rank
-        return tf.transpose(tensor, [0, *range(2, rank), 1])
-    return tensor
-
-
 def _positions(layer, tensor):
     """`[B, T, channels]` float32, channels last, T static where known."""
-    x = _channels_last(layer, float32(tensor))
-    positions = static_product(x.shape[1:-1])
-    return tf.reshape(x, [tf.shape(x)[0], positions if positions else -1, x.shape[-1]])
+    x = channels_last(layer, float32(tensor))
+    return positions(x, x.shape[-1])
 
 
 def _patches(layer, inputs):
@@ -188,7 +182,7 @@ def _patches(layer, inputs):
     stride-1 dilated convolution (after the explicit "same" padding),
     subsampled.
     """
-    x = _channels_last(layer, float32(inputs))
+    x = channels_last(layer, float32(inputs))
     kernel_size = tuple(layer.kernel_size)
     strides = tuple(layer.strides)
     dilation = tuple(layer.dilation_rate)
@@ -202,10 +196,7 @@ def _patches(layer, inputs):
         patches = patches[:, :: strides[0], :: strides[1]]
     else:
         patches = channel_patches(x, kernel_size, strides, dilation, layer.padding)
-    positions = static_product(patches.shape[1:-1])
-    return tf.reshape(
-        patches, [tf.shape(patches)[0], positions if positions else -1, patches.shape[-1]]
-    )
+    return positions(patches, patches.shape[-1])
 
 
 def _pad_same(x, kernel_size, strides, dilation):

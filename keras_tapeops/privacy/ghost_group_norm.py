@@ -12,7 +12,7 @@ Keras does) and the output gradient, without a second backward pass.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.ghost_layer_norm import affine_parts
 from keras_tapeops.privacy.rules import float32
 from keras_tapeops.privacy.rules import output_forward
 from keras_tapeops.privacy.rules import stock_call
@@ -39,16 +39,7 @@ class GroupNormRule:
             beta_rows.append(tf.reduce_sum(g, 1))
             if layer.gamma is not None:
                 gamma_rows.append(tf.reduce_sum(_normalized(layer, x) * g, 1))
-        parts = {}
-        if layer.gamma is not None:
-            parts[id(layer.gamma)] = per_example_part(
-                tf.add_n(gamma_rows), context.scale, layer.gamma.shape
-            )
-        if layer.beta is not None:
-            parts[id(layer.beta)] = per_example_part(
-                tf.add_n(beta_rows), context.scale, layer.beta.shape
-            )
-        return parts
+        return affine_parts(layer.gamma, layer.beta, gamma_rows, beta_rows, context.scale)
 
 
 def _channels_last(layer, tensor):

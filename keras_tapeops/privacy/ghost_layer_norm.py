@@ -44,16 +44,27 @@ class LayerNormRule:
             if layer.gamma is not None:
                 x_hat = _normalized(layer, x, axes)
                 gamma_rows.append(tf.reduce_sum(x_hat * g, summed) if summed else x_hat * g)
-        parts = {}
-        if layer.gamma is not None:
-            parts[id(layer.gamma)] = per_example_part(
-                tf.add_n(gamma_rows), context.scale, layer.gamma.shape
-            )
-        if layer.beta is not None and not layer.rms_scaling:
-            parts[id(layer.beta)] = per_example_part(
-                tf.add_n(beta_rows), context.scale, layer.beta.shape
-            )
-        return parts
+        beta = None if layer.rms_scaling else layer.beta
+        return affine_parts(layer.gamma, beta, gamma_rows, beta_rows, context.scale)
+
+
+def affine_parts(gamma, beta, gamma_rows, beta_rows, scale):
+    """The `Part`s of a normalization's scale and offset from their per-call rows.
+
+    Args:
+        gamma, beta: the variables (None when the layer has none, or ignores it).
+        gamma_rows, beta_rows: per call of the layer, `[B, ...]` per-example
+            gradients shaped like the variable.
+        scale: the loss scale.
+
+    Returns:
+        `{id(variable): Part}`, each call's rows summed.
+    """
+    parts = {}
+    for variable, rows in ((gamma, gamma_rows), (beta, beta_rows)):
+        if variable is not None:
+            parts[id(variable)] = per_example_part(tf.add_n(rows), scale, variable.shape)
+    return parts
 
 
 def _normalized(layer, x, axes):
