@@ -81,6 +81,7 @@ def methods():
     return {
         "PCGrad": lambda: kt.PCGrad(shared=SHARED, seed=0),
         "PCGrad (pfor rows)": lambda: kt.PCGrad(shared=SHARED, seed=0),
+        "UPGrad (rows)": lambda: kt.UPGrad(shared=SHARED),
         "MGDA": lambda: kt.MGDA(shared=SHARED),
         "MGDA representation": lambda: kt.MGDA(
             shared=SHARED, on="representation", representation="trunk_2"),
@@ -97,12 +98,13 @@ def methods():
     }
 
 
-GRADIENT_METHODS = {"PCGrad", "PCGrad (pfor rows)", "MGDA", "CAGrad", "IMTLG", "AlignedMTL",
+GRADIENT_METHODS = {"PCGrad", "PCGrad (pfor rows)", "UPGrad (rows)", "MGDA", "CAGrad", "IMTLG", "AlignedMTL",
                     "UPGrad", "GradNorm"}
 WEIGHTINGS = {"UncertaintyWeighting", "DWA", "FAMO", "MeasureConflict(10)"}
 
 
 peaks = {}  # name -> step MiB of the K being measured
+ONLY = None  # --methods
 
 
 def candidates(k):
@@ -132,10 +134,14 @@ def candidates(k):
     floor.compile(optimizer="adam")
     prepare("floor", floor)
     for name, make in methods().items():
+        if ONLY is not None and name not in ONLY:
+            continue
         model = build(k)
         model.compile(optimizer="adam", loss=loss, task_balancing=make())
         if "pfor" in name:
             model.tapeops_state.engine.jacobian_method = "pfor"
+        if "(rows)" in name:  # every step keeps the rows (no layerwise Gramian)
+            model.tapeops_state.engine.layer_by_layer = False
         prepare(name, model)
     return fits
 
@@ -144,7 +150,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="only these methods (the sum and the floor always run)")
     args = parser.parse_args()
+    global ONLY
+    ONLY = args.methods
     table = {}
     memory = {}
     for k in args.ks:

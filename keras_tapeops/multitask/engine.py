@@ -35,6 +35,7 @@ Semantics with the rest of the step:
   multi-replica strategy: their weights need each pass's global losses.)
 """
 
+import contextlib
 import random
 import threading
 
@@ -45,6 +46,7 @@ from keras_tapeops import capture
 from keras_tapeops import rows as row_ops
 from keras_tapeops import true_gradients
 from keras_tapeops.multi_gradient import MultiGradientState
+from keras_tapeops.multitask import layerwise
 from keras_tapeops.multitask import tasks as task_resolution
 from keras_tapeops.multitask.epochs import EpochLosses
 from keras_tapeops.multitask.metrics import TaskMetrics
@@ -107,10 +109,13 @@ class TaskEngine(MultiGradientState):
         )
         self.metrics = {self.task_metrics.name: self.task_metrics}
         self.shared = None
+        self.dense_sites = []
         self.representation = (  # layers exist before the model is built
             option.representation_layer(model, tree) if option.kind == "representation" else None
         )
         self.jacobian_method = JACOBIAN_METHOD
+        # False: every step keeps the rows (bench/multi_task.py compares both).
+        self.layer_by_layer = True
         self._handover = threading.local()
         self._sums = None
         self._sum_structure = None
@@ -119,6 +124,11 @@ class TaskEngine(MultiGradientState):
     def bind_variables(self, model, variables, tree):
         self.shared = task_resolution.shared_mask(
             self.option, model, variables, tree, self.task_names
+        )
+        self.dense_sites = (
+            layerwise.dense_sites(model, variables, self.shared, tree)
+            if self.option.kind in ("rows", "conflict")
+            else []
         )
         self._sums = None  # re-created (lazily) for the new variables
 
@@ -143,9 +153,15 @@ class TaskEngine(MultiGradientState):
             or model.optimizer.loss_scale_factor is not None
         )
         scale = model.optimizer.scale_loss(tf.constant(1.0)) if scaled else None
+        by_layer = self._by_layer(model)
+        recorder = (
+            layerwise.recording(self.dense_sites, model.trainable_weights)
+            if by_layer
+            else contextlib.nullcontext()
+        )
         with tf.GradientTape(persistent=True) as tape:
             with recording_task_losses(model) as record:
-                with capture.recording_outputs(layers) as captured:
+                with capture.recording_outputs(layers) as captured, recorder:
                     total, y_pred = model.compute_total_loss(x, y, sample_weight, training=True)
             value_list = record.value_list(self.task_names)
             values = tf.stack(value_list)
@@ -169,10 +185,26 @@ class TaskEngine(MultiGradientState):
         m = tf.cast(loss_multiplier, tf.float32) if loss_multiplier is not None else 1.0
         pass_ = _Pass(self, model, tape, variables, shared, values, combined, targets, s, m, n)
         pass_.captured = captured
+        pass_.recorder = recorder if by_layer else None
         pass_.rest = rest
         pass_.unscale = (lambda t: t / s) if scaled else (lambda t: t)
         grads = getattr(pass_, kind)()
         return grads, y_pred
+
+    def _by_layer(self, model):
+        """True when this step's Gramian is taken layer by layer (`layerwise`).
+
+        That needs the pass to be the whole step (one replica, no
+        accumulation: Gramians do not add over replicas or passes), the
+        tasks differentiated one by one, and a shared Dense layer.
+        """
+        return bool(
+            self.layer_by_layer
+            and self.dense_sites
+            and self.jacobian_method == "loop"
+            and tf.distribute.get_strategy().num_replicas_in_sync == 1
+            and not self.accumulating(model)
+        )
 
     def _has_rest(self, model, record):
         """True unless the loss is exactly the sum of the tasks (trace-time check)."""
@@ -268,10 +300,17 @@ class TaskEngine(MultiGradientState):
         context = self.context(model, step["losses"])
         grads = list(grads)
         if kind == "rows":
-            rows = step["rows"]  # per shared variable, [K, *shape]
-            gramian = row_ops.gramian_of_parts(rows)
-            weights = self.option.weights(gramian, context)
-            parts = iter(row_ops.combine_parts(weights, rows))
+            combine = getattr(self._handover, "combine", None)
+            self._handover.combine = None
+            if combine is None:  # the rows: per shared variable, [K, *shape]
+                rows = step["rows"]
+                gramian = row_ops.gramian_of_parts(rows)
+                weights = self.option.weights(gramian, context)
+                parts = iter(row_ops.combine_parts(weights, rows))
+            else:  # taken layer by layer in the pass (`layerwise`)
+                gramian = step["gramian"]
+                weights = self.option.weights(gramian, context)
+                parts = iter(combine(weights))
             grads = [
                 g + tf.cast(next(parts), g.dtype) if on else g for g, on in zip(grads, self.shared)
             ]
@@ -377,7 +416,12 @@ class _Pass:
             tf.stop_gradient(weights) - 1.0 if weights is not None else tf.zeros([self.k])
         )
         other_grads = self._gradient(others, coefficients)
-        parts = self._parts(shared)
+        if self.recorder is not None:
+            gramian, combine = self._layerwise(shared)
+            pending = {"gramian": gramian, "losses": self.values}
+        else:
+            combine = None
+            pending = {"rows": self._parts(shared), "losses": self.values}
         if self.rest is not None:  # the rest of the loss: its ordinary gradient
             shared_grads = [
                 g * self.multiplier
@@ -387,8 +431,15 @@ class _Pass:
             ]
         else:
             shared_grads = [tf.zeros_like(v) for v in shared]
-        engine.hand_over(self.model, {"rows": parts, "losses": self.values}, self.n)
+        engine.hand_over(self.model, pending, self.n)
+        engine._handover.combine = combine
         return self._split(shared_grads, other_grads)
+
+    def _layerwise(self, shared):
+        """`(gramian, combine)` of the tasks over `shared`, Dense layers without rows."""
+        return layerwise.task_gramian(
+            self.tape, self.targets, shared, self.engine.dense_sites, self.recorder, self.scale
+        )
 
     def _parts(self, sources):
         parts = row_ops.task_rows(self.tape, self.targets, sources, self.engine.jacobian_method)
@@ -403,11 +454,11 @@ class _Pass:
         if one_replica and not engine.accumulating(self.model):
             # This pass's rows are the step's: only their Gramian leaves the
             # branch, and unmeasured steps compute nothing.
-            gramian = tf.cond(
-                measured,
-                lambda: row_ops.gramian_of_parts(self._parts(shared)),
-                lambda: tf.zeros([self.k, self.k]),
-            )
+            if self.recorder is not None:
+                measure = lambda: self._layerwise(shared)[0]  # noqa: E731
+            else:
+                measure = lambda: row_ops.gramian_of_parts(self._parts(shared))  # noqa: E731
+            gramian = tf.cond(measured, measure, lambda: tf.zeros([self.k, self.k]))
             pending = {"gramian": gramian, "losses": self.values}
         else:  # rows are summed over replicas (or passes) before their Gramian
             parts = tf.cond(

@@ -1,0 +1,219 @@
+"""The tasks' Gramian taken layer by layer (`keras_tapeops.multitask.layerwise`).
+
+- The Dense layer's Gramian, both ways (`<G_k, (A A^T) G_j>` and the
+  rows), and its combination equal NumPy's rows `A^T G_k`.
+- `fit` with UPGrad on a trunk that has everything the layerwise path must
+  handle (a Dense on a sequence, a Dense called twice, a Dense whose kernel
+  another layer also reads, a frozen kernel, a LayerNormalization) equals a
+  hand-written loop that forms every task's gradient and aggregates in
+  NumPy (float64); the Dense layers did go through the layerwise path, and
+  a wrong combination fails the comparison.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_tapeops as kt
+import test_aggregation_reference as ref
+from keras_tapeops.multitask import layerwise
+
+LR = 0.1
+NAMES = ("a", "b", "c")
+UNITS = {"a": 1, "b": 2, "c": 1}
+
+
+# ------------------------------------------------------------ one layer
+class _Layer:
+    """Stands for a built Dense layer: what `_DenseLayer` reads."""
+
+    def __init__(self, p, o):
+        self.kernel = tf.Variable(tf.zeros([p, o]))
+        self.bias = tf.Variable(tf.zeros([o]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ghost", [True, False])
+def test_dense_gramian_and_combination_equal_numpy_rows(monkeypatch, ghost):
+    rng = np.random.default_rng(0)
+    n, p, k, o = 7, 5, 3, 4
+    a = rng.normal(size=(n, p))
+    g = rng.normal(size=(k, n, o))
+    layer = _Layer(p, o)
+    monkeypatch.setattr(layerwise, "ghost_is_cheaper", lambda *args: tf.constant(ghost))
+    dense = layerwise._DenseLayer(
+        layer, [layer.kernel, layer.bias], tf.constant(a, tf.float32), tf.constant(g, tf.float32)
+    )
+    rows = np.stack(  # task k's gradient: kernel A^T G_k, then bias sum_n G_k
+        [np.concatenate([(a.T @ g[j]).ravel(), g[j].sum(0)]) for j in range(k)]
+    )
+    np.testing.assert_allclose(dense.gramian().numpy(), rows @ rows.T, rtol=1e-5, atol=1e-5)
+    weights = rng.normal(size=k)
+    combined = dense.combine(tf.constant(weights, tf.float32))
+    expected = weights @ rows
+    np.testing.assert_allclose(
+        combined[id(layer.kernel)].numpy().ravel(), expected[: p * o], rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        combined[id(layer.bias)].numpy(), expected[p * o :], rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.unit
+def test_the_cheaper_way_follows_the_multiply_add_counts():
+    # The bench's trunk (P = O = 1024, K = 8): 256 examples are cheaper as
+    # (A A^T) products; a 128-feature first layer is cheaper as rows.
+    assert bool(layerwise.ghost_is_cheaper(256, 1024, 8, 1024))
+    assert not bool(layerwise.ghost_is_cheaper(256, 128, 8, 1024))
+    assert not bool(layerwise.ghost_is_cheaper(100_000, 1024, 8, 1024))
+
+
+# ------------------------------------------------------------ fit
+class Tied(keras.layers.Layer):
+    """`x @ source.kernel^T`: reads another layer's kernel (it keeps its rows)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, x):
+        return tf.matmul(x, self.source.kernel, transpose_b=True)
+
+
+def build_model():
+    inputs = keras.Input((3, 5), name="x")
+    h = keras.layers.Dense(6, activation="tanh", name="trunk_seq")(inputs)  # [B, 3, 6]
+    h = keras.layers.Flatten(name="flat")(h)
+    h = keras.layers.LayerNormalization(name="trunk_norm")(h)
+    twice = keras.layers.Dense(4, activation="tanh", name="trunk_twice")
+    h = keras.layers.Concatenate(name="join")([twice(h), twice(-0.5 * h)])
+    frozen = keras.layers.Dense(4, activation="tanh", name="trunk_frozen")
+    h = frozen(h)
+    tied_source = keras.layers.Dense(4, activation="tanh", name="trunk_tied_source")
+    h = tied_source(h) + 0.1 * keras.layers.Dense(4, name="trunk_back")(
+        Tied(tied_source, name="trunk_tied")(h)
+    )
+    outputs = {n: keras.layers.Dense(UNITS[n], name=n)(h) for n in NAMES}
+    model = kt.upgrade(keras.Model(inputs, outputs))
+    rng = np.random.default_rng(3)
+    model.set_weights(
+        [rng.normal(scale=0.7, size=w.shape).astype("float32") for w in model.get_weights()]
+    )
+    frozen.kernel.trainable = False
+    return model
+
+
+def make_data(n=16):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(n, 3, 5)).astype("float32")
+    ys = {name: rng.normal(size=(n, UNITS[name])).astype("float32") for name in NAMES}
+    ys["a"] += 2.0 * x[:, :1, 0]
+    ys["c"] -= 2.0 * x[:, :1, 0]  # pulls the trunk against task a
+    sample_weight = rng.uniform(0.5, 1.5, size=(n,)).astype("float32")
+    return x, ys, sample_weight
+
+
+def is_shared(variable):
+    return variable.path.startswith("trunk")
+
+
+def oracle_fit(model, epochs=2, batch_size=8):
+    """Every task's full gradient from one persistent tape; UPGrad in NumPy; SGD."""
+    variables = list(model.trainable_variables)
+    mse = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def task_gradients(x, ys, sw):
+        with tf.GradientTape(persistent=True) as tape:
+            outputs = model(x, training=True)
+            losses = [mse(ys[n], outputs[n], sample_weight=sw) for n in NAMES]
+        return [
+            tf.concat([tf.reshape(tf.zeros(v.shape) if g is None else g, [-1])
+                       for g, v in zip(tape.gradient(loss, variables), variables)], 0)
+            for loss in losses
+        ]
+
+    shared = np.concatenate(
+        [np.full(int(np.prod(v.shape)), is_shared(v)) for v in variables]
+    )
+    x, ys, sw = make_data()
+    for _ in range(epochs):
+        for start in range(0, len(x), batch_size):
+            sl = slice(start, start + batch_size)
+            rows = np.stack(
+                [np.asarray(r, np.float64)
+                 for r in task_gradients(x[sl], {n: ys[n][sl] for n in NAMES}, sw[sl])]
+            )
+            grad = rows.sum(0)
+            grad[shared] = ref.upgrad(rows[:, shared])
+            offset = 0
+            for v in variables:
+                size = int(np.prod(v.shape))
+                step = grad[offset : offset + size].reshape(v.shape)
+                v.assign((v.numpy().astype(np.float64) - LR * step).astype(np.float32))
+                offset += size
+    return model.get_weights()
+
+
+def upgraded_fit(model, epochs=2, batch_size=8, **options):
+    x, ys, sw = make_data()
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss={n: "mse" for n in NAMES},
+        task_balancing=kt.UPGrad(shared="trunk*"),
+        **options,
+    )
+    model.fit(x, ys, sample_weight=sw, batch_size=batch_size, epochs=epochs, shuffle=False,
+              verbose=0)
+    return model.get_weights()
+
+
+@pytest.fixture
+def layered(monkeypatch):
+    """The names of the layers whose Gramian was taken layer by layer."""
+    names = []
+    init = layerwise._DenseLayer.__init__
+
+    def spy(self, layer, variables, a, g):
+        names.append(layer.name)
+        init(self, layer, variables, a, g)
+
+    monkeypatch.setattr(layerwise._DenseLayer, "__init__", spy)
+    return names
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fit_equals_the_hand_written_loop(layered, jit_compile):
+    actual = upgraded_fit(build_model(), jit_compile=jit_compile)
+    expected = oracle_fit(build_model())
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The Dense layers of the trunk went through the layerwise path; the one
+    # whose kernel `Tied` also reads kept its rows.
+    assert set(layered) == {"trunk_seq", "trunk_twice", "trunk_frozen", "trunk_back"}
+
+
+def test_a_wrong_combination_fails_the_comparison(monkeypatch):
+    combine = layerwise._DenseLayer.combine
+
+    def off_by_one_percent(self, weights):
+        return {i: 1.01 * g for i, g in combine(self, weights).items()}
+
+    monkeypatch.setattr(layerwise._DenseLayer, "combine", off_by_one_percent)
+    actual = upgraded_fit(build_model())
+    expected = oracle_fit(build_model())
+    assert max(np.abs(a - b).max() for a, b in zip(actual, expected)) > 1e-4
+
+
+def test_layerwise_and_rows_paths_train_alike():
+    """The same model with the rows kept every step (the path replicas and accumulation take)."""
+    by_layer = upgraded_fit(build_model())
+    model = build_model()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss={n: "mse" for n in NAMES},
+                  task_balancing=kt.UPGrad(shared="trunk*"))
+    model.tapeops_state.engine.layer_by_layer = False
+    x, ys, sw = make_data()
+    model.fit(x, ys, sample_weight=sw, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), by_layer):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
