@@ -14,9 +14,11 @@ process, rounds interleaved, ratios of the fastest rounds:
   gradient of the shared variables) and applies their sum.
 
 Targets (issue 18): loss weightings and `MeasureConflict(every=10)` <= 1.10x
-sum; gradient methods <= 1.05x floor; `MGDA(on="representation")` <= 1.5x
+sum; gradient methods <= 1.10x floor (issue 31; 1.05x in issue 18); `MGDA(on="representation")` <= 1.5x
 sum. `MeasureConflict(30)` has no target: it shows the cost falling with `every`. Also compares the two ways of computing the rows (`pfor` Jacobian vs
-one `tape.gradient` per task, `keras_tapeops.multitask.engine.JACOBIAN_METHOD`).
+one `tape.gradient` per task, `keras_tapeops.multitask.engine.JACOBIAN_METHOD`) and,
+for UPGrad, the Gramian taken layer by layer (the default) against the rows kept
+every step ("UPGrad (rows)": what replicas and accumulation use).
 
 Also prints each candidate's step memory: TensorFlow's CPU allocator peak
 during one `train_on_batch` above what was allocated before it (MiB), per K.
@@ -179,13 +181,13 @@ def main():
         cells = "".join(f" | {row[k]:8.1f} {row[k] / memory['floor'][k]:7.2f}" for k in args.ks)
         print(f"{name:<22}{cells}")
     print("\ntargets: loss weightings and MeasureConflict(10) <= 1.10x sum; gradient methods "
-          "<= 1.05x floor; MGDA representation <= 1.5x sum")
+          "<= 1.10x floor; MGDA representation <= 1.5x sum")
     for name, row in table.items():
         for k in args.ks:
             _, vs_sum, vs_floor = row[k]
             if name in WEIGHTINGS and vs_sum > 1.10:
                 print(f"  above target: {name} K={k}: {vs_sum:.2f}x sum")
-            if name in GRADIENT_METHODS and vs_floor > 1.05:
+            if name in GRADIENT_METHODS and vs_floor > 1.10:
                 print(f"  above target: {name} K={k}: {vs_floor:.2f}x floor")
             if name == "MGDA representation" and vs_sum > 1.5:
                 print(f"  above target: {name} K={k}: {vs_sum:.2f}x sum")
