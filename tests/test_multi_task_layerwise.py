@@ -217,3 +217,47 @@ def test_layerwise_and_rows_paths_train_alike():
     model.fit(x, ys, sample_weight=sw, batch_size=8, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), by_layer):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+class DenseCell(keras.layers.Layer):
+    """An RNN cell holding a Dense layer: the Dense runs inside the RNN's loop body."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.state_size = units
+        self.dense = keras.layers.Dense(units, activation="tanh", name="trunk_cell_dense")
+
+    def build(self, input_shape):
+        self.dense.build((input_shape[0], input_shape[-1] + self.units))
+
+    def call(self, x, states):
+        h = self.dense(tf.concat([x, states[0]], -1))
+        return h, [h]
+
+
+def test_a_dense_inside_an_rnn_loop_keeps_its_rows(layered):
+    """Its outputs live in the loop body's graph; the step equals the rows path."""
+
+    def build():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4, 3))
+        h = keras.layers.RNN(DenseCell(5), name="trunk_rnn")(inputs)
+        h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kt.upgrade(keras.Model(inputs, outputs))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4, 3)).astype("float32")
+    ys = {n: rng.normal(size=(16, 1)).astype("float32") for n in ("a", "b")}
+    weights = []
+    for by_layer in (True, False):
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss={"a": "mse", "b": "mse"},
+                      task_balancing=kt.UPGrad(shared="trunk*"))
+        model.tapeops_state.engine.layer_by_layer = by_layer
+        model.fit(x, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    for got, want in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(layered) == {"trunk_top"}

@@ -17,8 +17,8 @@ backward pass, instead of K kernel gradients and their weighted sum.
 The per-task gradients of the pre-activation outputs come from one
 backward pass per task that stops at those outputs (no weight gradient is
 computed for the layers done here); the other shared variables (a norm's
-scale, a convolution, a Dense whose kernel is also read elsewhere) keep
-their rows (`keras_tapeops.rows`), and their Gramians add.
+scale, a convolution, a Dense whose kernel is also read elsewhere, a Dense
+called inside an RNN's loop) keep their rows (`keras_tapeops.rows`), and their Gramians add.
 
 It applies when the pass is the whole step: one replica and no
 accumulation. Gramians do not add over replicas or micro-batches (the

@@ -8,7 +8,8 @@ needs (the layer's inputs and its pre-activation output `z`, whose gradient
 the backward pass then computes) and returns the layer's usual outputs.
 
 A variable read outside its owner's calls (weights tied to another layer, a
-variable a model reads directly) cannot be clipped from its owner's inputs
+variable a model reads directly, a layer called inside a loop body such as
+an RNN's cell) cannot be clipped from its owner's inputs
 and outputs alone: an audit tape that is paused inside every site call sees
 those reads, and such variables are clipped from per-example rows of the
 whole forward pass instead (`GLOBAL`).
@@ -117,10 +118,15 @@ class Recorder:
         self.invocations = {id(site.layer): [] for site in sites}
         self.foreign = {}
         self._depth = 0
+        self._graph = None
         self._audit = None
         self._patched = []
 
     def __enter__(self):
+        # The graph the forward pass is traced in (None when eager): a site
+        # called inside an inner graph (the loop body of an RNN whose cell
+        # holds it) produces tensors the backward pass cannot stop at.
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         for site in self.sites:
             layer = site.layer
             self._patched.append((layer, layer.__dict__.get("call")))
@@ -147,6 +153,12 @@ class Recorder:
     def _wrapped(self, site, original):
         def call(*args, **kwargs):
             if private.in_symbolic_build() or self._audit is None:
+                return original(*args, **kwargs)
+            if self._graph is not None and tf.compat.v1.get_default_graph() is not self._graph:
+                # Inside a loop (or branch) body: the variables are treated
+                # as read outside their owner's calls (whole-model rows).
+                for variable in site.variables:
+                    self.foreign[id(variable)] = variable
                 return original(*args, **kwargs)
             with self._site_scope(), tf.GradientTape(watch_accessed_variables=True) as local:
                 outputs, record = site.rule.forward(site.layer, original, args, kwargs)
