@@ -18,6 +18,7 @@ import tensorflow as tf
 import keras_tapeops as kt
 import test_aggregation_reference as ref
 from keras_tapeops.multitask import layerwise
+from rnn_cells import DenseCell
 
 LR = 0.1
 NAMES = ("a", "b", "c")
@@ -26,7 +27,7 @@ UNITS = {"a": 1, "b": 2, "c": 1}
 
 # ------------------------------------------------------------ one layer
 class _Layer:
-    """Stands for a built Dense layer: what `_DenseLayer` reads."""
+    """Stands for a built Dense layer: what `_KernelLayer` reads."""
 
     def __init__(self, p, o):
         self.kernel = tf.Variable(tf.zeros([p, o]))
@@ -42,9 +43,12 @@ def test_dense_gramian_and_combination_equal_numpy_rows(monkeypatch, ghost):
     g = rng.normal(size=(k, n, o))
     layer = _Layer(p, o)
     monkeypatch.setattr(layerwise, "ghost_is_cheaper", lambda *args: tf.constant(ghost))
-    dense = layerwise._DenseLayer(
-        layer, [layer.kernel, layer.bias], tf.constant(a, tf.float32), tf.constant(g, tf.float32)
+    g = tf.constant(g, tf.float32)
+    dense = layerwise._KernelLayer(
+        layer, [layer.kernel, layer.bias], tf.constant(a, tf.float32), g, lambda m: m,
+        tf.reduce_sum(g, 1),
     )
+    g = g.numpy()
     rows = np.stack(  # task k's gradient: kernel A^T G_k, then bias sum_n G_k
         [np.concatenate([(a.T @ g[j]).ravel(), g[j].sum(0)]) for j in range(k)]
     )
@@ -173,13 +177,13 @@ def upgraded_fit(model, epochs=2, batch_size=8, **options):
 def layered(monkeypatch):
     """The names of the layers whose Gramian was taken layer by layer."""
     names = []
-    init = layerwise._DenseLayer.__init__
+    init = layerwise._KernelLayer.__init__
 
-    def spy(self, layer, variables, a, g):
+    def spy(self, layer, *args):
         names.append(layer.name)
-        init(self, layer, variables, a, g)
+        init(self, layer, *args)
 
-    monkeypatch.setattr(layerwise._DenseLayer, "__init__", spy)
+    monkeypatch.setattr(layerwise._KernelLayer, "__init__", spy)
     return names
 
 
@@ -194,13 +198,39 @@ def test_fit_equals_the_hand_written_loop(layered, jit_compile):
     assert set(layered) == {"trunk_seq", "trunk_twice", "trunk_frozen", "trunk_back"}
 
 
+def build_attention_model():
+    """A trunk of MultiHeadAttention and an EinsumDense with a bias over positions."""
+    inputs = keras.Input((3, 5), name="x")
+    h = keras.layers.MultiHeadAttention(2, 3, name="trunk_attention")(inputs, inputs)
+    h = keras.layers.EinsumDense(
+        "abc,cd->abd", output_shape=(3, 4), bias_axes="bd", activation="tanh",
+        name="trunk_einsum",
+    )(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    outputs = {n: keras.layers.Dense(UNITS[n], name=n)(h) for n in NAMES}
+    model = kt.upgrade(keras.Model(inputs, outputs))
+    rng = np.random.default_rng(5)
+    model.set_weights(
+        [rng.normal(scale=0.7, size=w.shape).astype("float32") for w in model.get_weights()]
+    )
+    return model
+
+
+def test_attention_trunk_equals_the_hand_written_loop(layered):
+    actual = upgraded_fit(build_attention_model())
+    expected = oracle_fit(build_attention_model())
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(layered) == {"query", "key", "value", "attention_output", "trunk_einsum"}
+
+
 def test_a_wrong_combination_fails_the_comparison(monkeypatch):
-    combine = layerwise._DenseLayer.combine
+    combine = layerwise._KernelLayer.combine
 
     def off_by_one_percent(self, weights):
         return {i: 1.01 * g for i, g in combine(self, weights).items()}
 
-    monkeypatch.setattr(layerwise._DenseLayer, "combine", off_by_one_percent)
+    monkeypatch.setattr(layerwise._KernelLayer, "combine", off_by_one_percent)
     actual = upgraded_fit(build_model())
     expected = oracle_fit(build_model())
     assert max(np.abs(a - b).max() for a, b in zip(actual, expected)) > 1e-4
@@ -219,30 +249,14 @@ def test_layerwise_and_rows_paths_train_alike():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-class DenseCell(keras.layers.Layer):
-    """An RNN cell holding a Dense layer: the Dense runs inside the RNN's loop body."""
-
-    def __init__(self, units, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.state_size = units
-        self.dense = keras.layers.Dense(units, activation="tanh", name="trunk_cell_dense")
-
-    def build(self, input_shape):
-        self.dense.build((input_shape[0], input_shape[-1] + self.units))
-
-    def call(self, x, states):
-        h = self.dense(tf.concat([x, states[0]], -1))
-        return h, [h]
-
-
 def test_a_dense_inside_an_rnn_loop_keeps_its_rows(layered):
     """Its outputs live in the loop body's graph; the step equals the rows path."""
 
     def build():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((4, 3))
-        h = keras.layers.RNN(DenseCell(5), name="trunk_rnn")(inputs)
+        cell = DenseCell(5, dense_name="trunk_cell_dense")
+        h = keras.layers.RNN(cell, name="trunk_rnn")(inputs)
         h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
         outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
         return kt.upgrade(keras.Model(inputs, outputs))

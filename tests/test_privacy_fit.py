@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_tapeops as kt
+from rnn_cells import DenseCell
 
 CLIP = 0.05  # small: every example is clipped, so clipping changes the result
 LR = 0.5
@@ -260,27 +261,10 @@ def test_conv2d_chunked_norms_under_the_fault_matrix(monkeypatch, mirrored, mode
     _assert_close(model.get_weights(), expected, atol=2e-3 if mode == "mixed_float16" else 1e-6)
 
 
-class _DenseCell(keras.layers.Layer):
-    """An RNN cell holding a Dense layer: the Dense runs inside the RNN's loop body."""
-
-    def __init__(self, units, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.state_size = units
-        self.dense = keras.layers.Dense(units, activation="tanh")
-
-    def build(self, input_shape):
-        self.dense.build((input_shape[0], input_shape[-1] + self.units))
-
-    def call(self, x, states):
-        h = self.dense(tf.concat([x, states[0]], -1))
-        return h, [h]
-
-
 def _rnn_model():
     keras.utils.set_random_seed(7)
     inputs = keras.Input((4, 5))
-    h = keras.layers.RNN(_DenseCell(6))(inputs)
+    h = keras.layers.RNN(DenseCell(6))(inputs)
     return kt.upgrade(keras.Model(inputs, keras.layers.Dense(3)(h)))
 
 
@@ -296,4 +280,4 @@ def test_a_layer_inside_an_rnn_loop_is_clipped_from_whole_model_rows():
     _assert_close(model.get_weights(), _oracle(oracle, x, y, _windows(12, 4)))
     report = model.tapeops_state.engine.report()
     outside = {path for layer, path, method in report if layer == "(read outside its layer)"}
-    assert outside == {"rnn/__dense_cell/dense/kernel", "rnn/__dense_cell/dense/bias"}, report
+    assert outside == {"rnn/dense_cell/dense/kernel", "rnn/dense_cell/dense/bias"}, report

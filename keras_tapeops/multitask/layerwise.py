@@ -1,6 +1,6 @@
 """The tasks' `K x K` Gramian layer by layer, without forming their rows on Dense layers.
 
-For a shared Dense layer with inputs `A` (`[N, P]`: the batch's examples,
+For a shared Dense (or EinsumDense) layer with inputs `A` (`[N, P]`: the batch's examples,
 positions and calls flattened) and each task's gradient `G_k` (`[N, O]`)
 of its pre-activation output, task k's kernel gradient is `A^T G_k`, and
 
@@ -41,10 +41,16 @@ import tensorflow as tf
 from keras_tapeops import rows as row_ops
 from keras_tapeops.privacy import sites as sites_lib
 from keras_tapeops.privacy.ghost_dense import DenseRule
+from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
+from keras_tapeops.privacy.ghost_dense import layout
+from keras_tapeops.privacy.ghost_dense import static_product
+
+# The layers whose Gramian is taken from their inputs and output gradients.
+RULES = (DenseRule, EinsumDenseRule)
 
 
 def dense_sites(model, variables, shared, tree):
-    """The shared Dense layers whose Gramian is computed layer by layer.
+    """The shared Dense and EinsumDense layers whose Gramian is computed layer by layer.
 
     Args:
         model: the built model.
@@ -53,13 +59,16 @@ def dense_sites(model, variables, shared, tree):
         tree: `paths.LayerTree(model)`.
 
     Returns:
-        A list of `sites.Site`: stock `keras.layers.Dense` layers (no LoRA,
-        not quantized) every trainable variable of which is shared.
+        A list of `sites.Site`: stock `keras.layers.Dense` and
+        `EinsumDense` layers (no LoRA, not quantized; an EinsumDense whose
+        equation reads as `batch + S + C, C + O -> batch + S + O`, as
+        MultiHeadAttention's projections do) every trainable variable of
+        which is shared.
     """
     shared_ids = {id(v) for v, on in zip(variables, shared) if on}
 
     def rule(layer):
-        return DenseRule if DenseRule.applies(layer) else None
+        return next((r for r in RULES if r.applies(layer)), None)
 
     found, _ = sites_lib.discover(model, variables, rule, tree)
     return [
@@ -117,24 +126,20 @@ def task_gramian(tape, targets, shared, sites, recorder, scale):
     per_task = [tape.gradient(t, sources, unconnected_gradients=zero) for t in targets]
     k = len(targets)
 
-    def stacked(position, features=None):
-        """Source `position`'s gradient for every task: `[K, ...]`, float32, true units."""
-        grads = [tf.cast(tf.convert_to_tensor(g[position]), tf.float32) for g in per_task]
-        if features is not None:
-            grads = [tf.reshape(g, [-1, features]) for g in grads]
-        return tf.stack(grads) / scale
+    def true_units(gradient):
+        return tf.cast(tf.convert_to_tensor(gradient), tf.float32) / scale
 
     layers = []
     start = 0
     for site, zs in zip(layered, outputs):
-        layer = site.layer
-        p, o = layer.kernel.shape
-        a = tf.concat([_matrix(record["a"], p) for record in recorder.invocations[id(layer)]], 0)
-        # [K, N, O]: the calls' output gradients, in the order of their inputs in `a`.
-        g = tf.concat([stacked(start + i, o) for i in range(len(zs))], 1)
+        # One `z` per call: per task, the calls' output gradients in call order.
+        task_grads = [[true_units(g) for g in grads[start : start + len(zs)]] for grads in per_task]
         start += len(zs)
-        layers.append(_DenseLayer(layer, site.variables, a, g))
-    rest_parts = [stacked(start + i) for i in range(len(rest))]
+        records = recorder.invocations[id(site.layer)]
+        layers.append(_kernel_layer(site, [r["a"] for r in records], task_grads))
+    rest_parts = [
+        tf.stack([true_units(grads[start + i]) for grads in per_task]) for i in range(len(rest))
+    ]
     gramians = [layer.gramian() for layer in layers]
     if rest_parts:
         gramians.append(row_ops.gramian_of_parts(rest_parts))
@@ -175,14 +180,80 @@ def _matrix(tensor, features):
     return tf.reshape(tf.cast(tensor, tf.float32), [-1, features])
 
 
-class _DenseLayer:
-    """One Dense layer's inputs `a` (`[N, P]`) and tasks' output gradients `g` (`[K, N, O]`)."""
+def _kernel_layer(site, inputs, task_grads):
+    """A `_KernelLayer` from a site's inputs (one per call) and each task's output gradients.
 
-    def __init__(self, layer, variables, a, g):
+    Args:
+        site: a Dense or EinsumDense `Site`.
+        inputs: the layer's input of each call.
+        task_grads: per task, the float32 gradient (true units) of each
+            call's pre-activation output.
+    """
+    layer = site.layer
+    k = len(task_grads)
+    if site.rule is EinsumDenseRule:
+        return _einsum_layer(site, inputs, task_grads)
+    p, o = layer.kernel.shape
+    a = tf.concat([_matrix(x, p) for x in inputs], 0)
+    g = tf.stack([tf.concat([_matrix(t, o) for t in grads], 0) for grads in task_grads])
+    bias_rows = tf.reduce_sum(g, 1) if layer.bias is not None else tf.zeros([k, 0])
+    return _KernelLayer(layer, site.variables, a, g, lambda matrix: matrix, bias_rows)
+
+
+def _einsum_layer(site, inputs, task_grads):
+    """An EinsumDense's `[N, C]` inputs and `[K, N, O]` output gradients (`ghost_dense.layout`)."""
+    layer = site.layer
+    kernel = layer.kernel
+    pieces_a, pieces_g, bias_rows = [], [[] for _ in task_grads], []
+    spec = None
+    for i, x in enumerate(inputs):
+        x = tf.cast(x, tf.float32)
+        spec = layout(layer.equation, x.shape.rank)
+        sizes = [kernel.shape[spec.ker.index(letter)] for letter in spec.contracted + spec.produced]
+        inputs_size = static_product(sizes[: len(spec.contracted)])
+        outputs_size = static_product(sizes[len(spec.contracted) :])
+        a_order = [spec.inp.index(letter) for letter in spec.batch + spec.kept + spec.contracted]
+        g_order = [spec.out.index(letter) for letter in spec.batch + spec.kept + spec.produced]
+        pieces_a.append(tf.reshape(tf.transpose(x, a_order), [-1, inputs_size]))
+        for task, grads in enumerate(task_grads):
+            pieces_g[task].append(tf.reshape(tf.transpose(grads[i], g_order), [-1, outputs_size]))
+        if layer.bias is not None:
+            axes = [j for j, letter in enumerate(spec.out) if letter not in layer.bias_axes]
+            bias_rows.append(
+                tf.stack([tf.reshape(tf.reduce_sum(grads[i], axes), [-1]) for grads in task_grads])
+            )
+    order = spec.contracted + spec.produced
+    dims = [kernel.shape[spec.ker.index(letter)] for letter in order]
+    perm = [order.index(letter) for letter in spec.ker]
+
+    def kernel_from_matrix(matrix):
+        return tf.transpose(tf.reshape(matrix, dims), perm)
+
+    a = tf.concat(pieces_a, 0)
+    g = tf.stack([tf.concat(pieces, 0) for pieces in pieces_g])
+    bias = tf.add_n(bias_rows) if bias_rows else tf.zeros([len(task_grads), 0])
+    return _KernelLayer(layer, site.variables, a, g, kernel_from_matrix, bias)
+
+
+class _KernelLayer:
+    """A layer whose task-k kernel gradient is `A^T G_k`, and its bias rows.
+
+    Args:
+        layer: the Dense or EinsumDense layer.
+        variables: its trainable variables.
+        a: `[N, P]` float32 inputs.
+        g: `[K, N, O]` float32 output gradients, true units.
+        kernel_from_matrix: `[P, O]` matrix -> kernel-shaped tensor.
+        bias_rows: `[K, bias size]` float32: each task's bias gradient.
+    """
+
+    def __init__(self, layer, variables, a, g, kernel_from_matrix, bias_rows):
         self.layer = layer
         self.ids = {id(v) for v in variables}
         self.a = a
         self.g = g
+        self.kernel_from_matrix = kernel_from_matrix
+        self.bias_rows = bias_rows
 
     def gramian(self) -> tf.Tensor:
         """`[K, K]`: the kernel's Gramian (ghost or rows, the cheaper) plus the bias's."""
@@ -205,8 +276,7 @@ class _DenseLayer:
             gramian = tf.cond(ghost_is_cheaper(tf.shape(a)[0], p, k, o), ghost, rows)
         bias = self.layer.bias
         if bias is not None and id(bias) in self.ids:
-            sums = tf.reduce_sum(g, 1)  # [K, O]
-            gramian += tf.matmul(sums, sums, transpose_b=True)
+            gramian += tf.matmul(self.bias_rows, self.bias_rows, transpose_b=True)
         return gramian
 
     def combine(self, weights) -> dict[int, tf.Tensor]:
@@ -215,7 +285,7 @@ class _DenseLayer:
         out = {}
         kernel, bias = self.layer.kernel, self.layer.bias
         if id(kernel) in self.ids:
-            out[id(kernel)] = tf.matmul(self.a, weighted, transpose_a=True)
+            out[id(kernel)] = self.kernel_from_matrix(tf.matmul(self.a, weighted, transpose_a=True))
         if bias is not None and id(bias) in self.ids:
-            out[id(bias)] = tf.reduce_sum(weighted, 0)
+            out[id(bias)] = tf.reshape(tf.tensordot(weights, self.bias_rows, 1), bias.shape)
         return out
