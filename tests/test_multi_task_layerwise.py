@@ -187,8 +187,14 @@ def layered(monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_fit_equals_the_hand_written_loop(layered, jit_compile):
+@pytest.mark.parametrize(
+    "jit_compile, way", [(False, "cheaper"), (True, "cheaper"), (False, "ghost"), (False, "rows")]
+)
+def test_fit_equals_the_hand_written_loop(layered, monkeypatch, jit_compile, way):
+    if way != "cheaper":  # this model's layers are cheaper as rows: force each way
+        monkeypatch.setattr(
+            layerwise, "ghost_is_cheaper", lambda *args: tf.constant(way == "ghost")
+        )
     actual = upgraded_fit(build_model(), jit_compile=jit_compile)
     expected = oracle_fit(build_model())
     for got, want in zip(actual, expected):
@@ -275,3 +281,131 @@ def test_a_dense_inside_an_rnn_loop_keeps_its_rows(layered):
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert set(layered) == {"trunk_top"}
+
+
+def _two_task_fit(build, by_layer, **options):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4, 3)).astype("float32")
+    ys = {n: rng.normal(size=(16, 1)).astype("float32") for n in ("a", "b")}
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss={"a": "mse", "b": "mse"},
+                  **{"task_balancing": kt.UPGrad(shared="trunk*"), **options})
+    model.tapeops_state.engine.layer_by_layer = by_layer
+    history = model.fit(x, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+def _time_distributed_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((None, 3))  # unknown length: TimeDistributed maps over time
+    dense = keras.layers.Dense(5, activation="tanh", name="trunk_td_dense")
+    h = keras.layers.TimeDistributed(dense, name="trunk_td")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+    outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+    return kt.upgrade(keras.Model(inputs, outputs))
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_time_distributed_dense_over_an_unknown_length(layered, run_eagerly):
+    by_layer, _ = _two_task_fit(_time_distributed_model, True, run_eagerly=run_eagerly)
+    rows, _ = _two_task_fit(_time_distributed_model, False, run_eagerly=run_eagerly)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert {"trunk_td_dense", "trunk_top"} <= set(layered)
+
+
+class Unused(keras.layers.Layer):
+    """Calls its Dense twice and returns the first call only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(5, activation="tanh", name="trunk_called_twice")
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        self.dense(2.0 * x)  # recorded, but no loss depends on it
+        return self.dense(x)
+
+
+def test_a_recorded_call_no_task_depends_on_keeps_the_layers_rows(layered):
+    """(The guard against a call the loss bypasses: remat, custom gradients.)"""
+
+    def build():
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((4, 3))
+        h = Unused(name="trunk_unused")(keras.layers.Flatten()(inputs))
+        h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kt.upgrade(keras.Model(inputs, outputs))
+
+    by_layer, _ = _two_task_fit(build, True)
+    rows, _ = _two_task_fit(build, False)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(layered) == {"trunk_top"}
+
+
+class OwnKernel(keras.layers.Dense):
+    """Dense's own call on a kernel of its making (`kernel = v * scale`)."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    @property
+    def kernel(self):
+        return self._kernel * self.scale
+
+
+def test_a_dense_subclass_with_its_own_kernel_keeps_its_rows(layered):
+    def build():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((4, 3))
+        h = keras.layers.Flatten()(inputs)
+        h = OwnKernel(6, activation="tanh", name="trunk_own")(h)
+        h = keras.layers.Dense(5, activation="tanh", name="trunk_top")(h)
+        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kt.upgrade(keras.Model(inputs, outputs))
+
+    by_layer, _ = _two_task_fit(build, True)
+    rows, _ = _two_task_fit(build, False)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(layered) == {"trunk_top"}
+
+
+def _plain_trunk():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4, 3))
+    h = keras.layers.Dense(8, activation="tanh", name="trunk_1")(inputs)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(6, activation="tanh", name="trunk_2")(h)
+    outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+    return kt.upgrade(keras.Model(inputs, outputs))
+
+
+def test_measure_conflict_logs_the_same_norms_and_cosines_layer_by_layer(layered):
+    option = {"task_balancing": kt.MeasureConflict(every=2, shared="trunk*")}
+    by_layer, logs = _two_task_fit(_plain_trunk, True, **option)
+    rows, expected = _two_task_fit(_plain_trunk, False, **option)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    measured = [name for name in expected if "cos" in name or "norm" in name]
+    assert measured, expected
+    for name in measured:
+        np.testing.assert_allclose(logs[name], expected[name], rtol=1e-4, atol=1e-6)
+    assert set(layered) == {"trunk_1", "trunk_2"}
+
+
+def test_mixed_float16_layer_by_layer_equals_the_rows():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        by_layer, _ = _two_task_fit(_plain_trunk, True)
+        rows, _ = _two_task_fit(_plain_trunk, False)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)

@@ -74,8 +74,17 @@ def dense_sites(model, variables, shared, tree):
     return [
         site
         for site in found
-        if site.rule is not None and all(id(v) in shared_ids for v in site.variables)
+        if site.rule is not None
+        and all(id(v) in shared_ids for v in site.variables)
+        and _kernel_and_bias_only(site)
     ]
+
+
+def _kernel_and_bias_only(site):
+    """False for a subclass that keeps the stock call but owns other weights or its own kernel."""
+    layer = site.layer
+    own = {id(layer.kernel), id(layer.bias) if layer.bias is not None else None}
+    return all(id(v) in own for v in site.variables)
 
 
 def recording(sites, variables):
@@ -109,21 +118,19 @@ def task_gramian(tape, targets, shared, sites, recorder, scale):
         `combine(weights)`: `sum_k weights_k d L_k / d v` for each shared
         variable `v` (true units, the variable's dtype).
     """
-    layered = [
+    candidates = [
         site
         for site in sites
         if recorder.invocations[id(site.layer)]
         and not any(id(v) in recorder.foreign for v in site.variables)
     ]
-    covered = {id(v) for site in layered for v in site.variables}
-    rest = [v for v in shared if id(v) not in covered]
     outputs = [
         [z for record in recorder.invocations[id(site.layer)] for z in record["z"]]
-        for site in layered
+        for site in candidates
     ]
-    sources = [z for zs in outputs for z in zs] + rest
-    zero = tf.UnconnectedGradients.ZERO
-    per_task = [tape.gradient(t, sources, unconnected_gradients=zero) for t in targets]
+    flat = [z for zs in outputs for z in zs]
+    none = tf.UnconnectedGradients.NONE
+    z_grads = [tape.gradient(t, flat, unconnected_gradients=none) for t in targets]
     k = len(targets)
 
     def true_units(gradient):
@@ -131,15 +138,29 @@ def task_gramian(tape, targets, shared, sites, recorder, scale):
 
     layers = []
     start = 0
-    for site, zs in zip(layered, outputs):
-        # One `z` per call: per task, the calls' output gradients in call order.
-        task_grads = [[true_units(g) for g in grads[start : start + len(zs)]] for grads in per_task]
+    for site, zs in zip(candidates, outputs):
+        positions = range(start, start + len(zs))
         start += len(zs)
+        if not all(any(grads[i] is not None for grads in z_grads) for i in positions):
+            # A recorded output no task's loss depends on: the loss was taken
+            # through another copy of the call (TimeDistributed's vectorized
+            # map, a recomputed or custom-gradient call). Its rows are formed.
+            continue
+        # One `z` per call: per task, the calls' output gradients in call order.
+        task_grads = [
+            [
+                true_units(grads[i] if grads[i] is not None else tf.zeros_like(flat[i]))
+                for i in positions
+            ]
+            for grads in z_grads
+        ]
         records = recorder.invocations[id(site.layer)]
         layers.append(_kernel_layer(site, [r["a"] for r in records], task_grads))
-    rest_parts = [
-        tf.stack([true_units(grads[start + i]) for grads in per_task]) for i in range(len(rest))
-    ]
+    covered = {id(v) for layer in layers for v in layer.variables}
+    rest = [v for v in shared if id(v) not in covered]
+    zero = tf.UnconnectedGradients.ZERO
+    per_task = [tape.gradient(t, rest, unconnected_gradients=zero) for t in targets] if rest else []
+    rest_parts = [tf.stack([true_units(grads[i]) for grads in per_task]) for i in range(len(rest))]
     gramians = [layer.gramian() for layer in layers]
     if rest_parts:
         gramians.append(row_ops.gramian_of_parts(rest_parts))
@@ -249,6 +270,7 @@ class _KernelLayer:
 
     def __init__(self, layer, variables, a, g, kernel_from_matrix, bias_rows):
         self.layer = layer
+        self.variables = list(variables)
         self.ids = {id(v) for v in variables}
         self.a = a
         self.g = g

@@ -154,7 +154,12 @@ class Recorder:
         def call(*args, **kwargs):
             if private.in_symbolic_build() or self._audit is None:
                 return original(*args, **kwargs)
-            if self._graph is not None and tf.compat.v1.get_default_graph() is not self._graph:
+            inner = (
+                not tf.executing_eagerly()  # a function traced inside an eager step
+                if self._graph is None
+                else tf.compat.v1.get_default_graph() is not self._graph
+            )
+            if inner:
                 # Inside a loop (or branch) body: the variables are treated
                 # as read outside their owner's calls (whole-model rows).
                 for variable in site.variables:
