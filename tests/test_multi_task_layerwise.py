@@ -409,3 +409,22 @@ def test_mixed_float16_layer_by_layer_equals_the_rows():
         keras.config.set_dtype_policy("float32")
     for got, want in zip(by_layer, rows):
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_regularized_kernel_is_taken_layer_by_layer(layered):
+    """The regularizer reads the kernel while the loss is computed: not a tied weight."""
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((4, 3))
+        h = keras.layers.Flatten()(inputs)
+        h = keras.layers.Dense(6, activation="tanh", name="trunk_regularized",
+                               kernel_regularizer=keras.regularizers.L2(0.05))(h)
+        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kt.upgrade(keras.Model(inputs, outputs))
+
+    by_layer, _ = _two_task_fit(build, True)
+    rows, _ = _two_task_fit(build, False)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(layered) == {"trunk_regularized"}

@@ -155,7 +155,7 @@ class TaskEngine(MultiGradientState):
         scale = model.optimizer.scale_loss(tf.constant(1.0)) if scaled else None
         by_layer = self._by_layer(model)
         recorder = (
-            layerwise.recording(self.dense_sites, model.trainable_weights)
+            layerwise.recording(self.dense_sites, model.trainable_weights, model)
             if by_layer
             else contextlib.nullcontext()
         )

@@ -27,7 +27,7 @@ rows do), so those steps keep the rows.
 Example:
 ```python
 layers = dense_sites(model, variables, shared_mask, tree)
-with recording(layers, variables) as recorder:
+with recording(layers, variables, model) as recorder:
     total, y_pred = model.compute_total_loss(x, y, sample_weight, training=True)
 gramian, combine = task_gramian(tape, task_losses, shared, layers, recorder, scale)
 shared_grads = combine(weights)    # one per shared variable, true units
@@ -87,18 +87,21 @@ def _kernel_and_bias_only(site):
     return all(id(v) in own for v in site.variables)
 
 
-def recording(sites, variables):
+def recording(sites, variables, model):
     """Records each site's inputs and pre-activation outputs during the forward pass.
 
     Args:
         sites: from `dense_sites`.
         variables: the model's trainable variables (to find reads of a
-            site's variables outside its calls: those keep their rows).
+            site's variables outside its calls during the model's forward
+            pass: those keep their rows).
+        model: the model (reads while the loss is computed, a kernel
+            regularizer's, do not reach the task losses).
 
     Returns:
         A `sites.Recorder` (a context manager).
     """
-    return sites_lib.Recorder(sites, variables)
+    return sites_lib.Recorder(sites, variables, scope=model)
 
 
 def task_gramian(tape, targets, shared, sites, recorder, scale):

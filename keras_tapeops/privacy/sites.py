@@ -105,9 +105,14 @@ class Recorder:
     Args:
         sites: the `Site` list.
         trainable: the model's trainable variables.
+        scope: None (variables read anywhere in the block are audited), or a
+            layer (the model): only reads inside its calls are audited. The
+            multi-task step passes the model: its task losses depend on the
+            outputs alone, so a weight read while the loss is computed (a
+            kernel regularizer) cannot reach them.
     """
 
-    def __init__(self, sites, trainable):
+    def __init__(self, sites, trainable, scope=None):
         self.sites = sites
         # Tapes report the TensorFlow variables behind Keras's (and, under
         # tf.distribute, each replica's component): map them back.
@@ -120,6 +125,8 @@ class Recorder:
         self._depth = 0
         self._graph = None
         self._audit = None
+        self._active = False
+        self._scope = scope
         self._patched = []
 
     def __enter__(self):
@@ -131,17 +138,22 @@ class Recorder:
             layer = site.layer
             self._patched.append((layer, layer.__dict__.get("call")))
             layer.call = self._wrapped(site, layer.call)
-        self._audit = tf.GradientTape(watch_accessed_variables=True)
-        self._audit.__enter__()
+        if self._scope is not None:
+            scope = self._scope
+            self._patched.append((scope, scope.__dict__.get("call")))
+            scope.call = self._audited(scope.call)
+        else:
+            self._audit = tf.GradientTape(watch_accessed_variables=True)
+            self._audit.__enter__()
+        self._active = True
         return self
 
     def __exit__(self, *exc):
+        self._active = False
         audit, self._audit = self._audit, None
-        audit.__exit__(*exc)
-        for inner in audit.watched_variables():
-            variable = self.trainable.get(id(inner))
-            if variable is not None:
-                self.foreign[id(variable)] = variable
+        if audit is not None:
+            audit.__exit__(*exc)
+            self._collect(audit)
         for layer, own_call in self._patched:
             if own_call is None:
                 del layer.call
@@ -150,9 +162,33 @@ class Recorder:
         self._patched = []
         return False
 
+    def _collect(self, audit):
+        """Adds the trainable variables `audit` saw read to `foreign`."""
+        for inner in audit.watched_variables():
+            variable = self.trainable.get(id(inner))
+            if variable is not None:
+                self.foreign[id(variable)] = variable
+
+    def _audited(self, original):
+        """`scope`'s call, with the reads outside its sites audited."""
+
+        def call(*args, **kwargs):
+            if private.in_symbolic_build() or not self._active or self._audit is not None:
+                return original(*args, **kwargs)
+            with tf.GradientTape(watch_accessed_variables=True) as audit:
+                self._audit = audit
+                try:
+                    outputs = original(*args, **kwargs)
+                finally:
+                    self._audit = None
+            self._collect(audit)
+            return outputs
+
+        return call
+
     def _wrapped(self, site, original):
         def call(*args, **kwargs):
-            if private.in_symbolic_build() or self._audit is None:
+            if private.in_symbolic_build() or not self._active:
                 return original(*args, **kwargs)
             inner = (
                 not tf.executing_eagerly()  # a function traced inside an eager step
@@ -181,7 +217,7 @@ class Recorder:
         """Pauses the audit tape while a site runs (only at the outermost site)."""
         self._depth += 1
         try:
-            if self._depth == 1:
+            if self._depth == 1 and self._audit is not None:
                 with self._audit.stop_recording():
                     yield
             else:
