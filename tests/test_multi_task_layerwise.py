@@ -255,34 +255,6 @@ def test_layerwise_and_rows_paths_train_alike():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_dense_inside_an_rnn_loop_keeps_its_rows(layered):
-    """Its outputs live in the loop body's graph; the step equals the rows path."""
-
-    def build():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((4, 3))
-        cell = DenseCell(5, dense_name="trunk_cell_dense")
-        h = keras.layers.RNN(cell, name="trunk_rnn")(inputs)
-        h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
-        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
-        return kt.upgrade(keras.Model(inputs, outputs))
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 4, 3)).astype("float32")
-    ys = {n: rng.normal(size=(16, 1)).astype("float32") for n in ("a", "b")}
-    weights = []
-    for by_layer in (True, False):
-        model = build()
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss={"a": "mse", "b": "mse"},
-                      task_balancing=kt.UPGrad(shared="trunk*"))
-        model.tapeops_state.engine.layer_by_layer = by_layer
-        model.fit(x, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        weights.append(model.get_weights())
-    for got, want in zip(*weights):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert set(layered) == {"trunk_top"}
-
-
 def _two_task_fit(build, by_layer, **options):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 4, 3)).astype("float32")
@@ -295,23 +267,50 @@ def _two_task_fit(build, by_layer, **options):
     return model.get_weights(), history.history
 
 
-def _time_distributed_model():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((None, 3))  # unknown length: TimeDistributed maps over time
-    dense = keras.layers.Dense(5, activation="tanh", name="trunk_td_dense")
-    h = keras.layers.TimeDistributed(dense, name="trunk_td")(inputs)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+def _two_task_model(trunk, seed, inputs_shape=(4, 3)):
+    """`trunk(inputs) -> h`, then two Dense(1) heads "a" and "b"."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(inputs_shape)
+    h = trunk(inputs)
     outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
     return kt.upgrade(keras.Model(inputs, outputs))
 
 
+def _assert_paths_agree(build, atol=1e-5, **options):
+    """Layer by layer equals the rows kept every step; returns both Histories."""
+    by_layer, logs = _two_task_fit(build, True, **options)
+    rows, expected = _two_task_fit(build, False, **options)
+    for got, want in zip(by_layer, rows):
+        np.testing.assert_allclose(got, want, rtol=atol, atol=atol)
+    return logs, expected
+
+
+def test_a_dense_inside_an_rnn_loop_keeps_its_rows(layered):
+    """Its outputs live in the loop body's graph; the step equals the rows path."""
+
+    def trunk(inputs):
+        cell = DenseCell(5, dense_name="trunk_cell_dense")
+        h = keras.layers.RNN(cell, name="trunk_rnn")(inputs)
+        return keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+
+    _assert_paths_agree(lambda: _two_task_model(trunk, seed=1))
+    assert set(layered) == {"trunk_top"}
+
+
+def _time_distributed_model():
+    def trunk(inputs):
+        dense = keras.layers.Dense(5, activation="tanh", name="trunk_td_dense")
+        h = keras.layers.TimeDistributed(dense, name="trunk_td")(inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
+
+    # Unknown length: TimeDistributed maps the Dense over time.
+    return _two_task_model(trunk, seed=1, inputs_shape=(None, 3))
+
+
 @pytest.mark.parametrize("run_eagerly", [False, True])
 def test_time_distributed_dense_over_an_unknown_length(layered, run_eagerly):
-    by_layer, _ = _two_task_fit(_time_distributed_model, True, run_eagerly=run_eagerly)
-    rows, _ = _two_task_fit(_time_distributed_model, False, run_eagerly=run_eagerly)
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_paths_agree(_time_distributed_model, run_eagerly=run_eagerly)
     assert {"trunk_td_dense", "trunk_top"} <= set(layered)
 
 
@@ -333,18 +332,11 @@ class Unused(keras.layers.Layer):
 def test_a_recorded_call_no_task_depends_on_keeps_the_layers_rows(layered):
     """(The guard against a call the loss bypasses: remat, custom gradients.)"""
 
-    def build():
-        keras.utils.set_random_seed(4)
-        inputs = keras.Input((4, 3))
+    def trunk(inputs):
         h = Unused(name="trunk_unused")(keras.layers.Flatten()(inputs))
-        h = keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
-        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
-        return kt.upgrade(keras.Model(inputs, outputs))
+        return keras.layers.Dense(6, activation="tanh", name="trunk_top")(h)
 
-    by_layer, _ = _two_task_fit(build, True)
-    rows, _ = _two_task_fit(build, False)
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_paths_agree(lambda: _two_task_model(trunk, seed=4))
     assert set(layered) == {"trunk_top"}
 
 
@@ -361,38 +353,27 @@ class OwnKernel(keras.layers.Dense):
 
 
 def test_a_dense_subclass_with_its_own_kernel_keeps_its_rows(layered):
-    def build():
-        keras.utils.set_random_seed(2)
-        inputs = keras.Input((4, 3))
-        h = keras.layers.Flatten()(inputs)
-        h = OwnKernel(6, activation="tanh", name="trunk_own")(h)
-        h = keras.layers.Dense(5, activation="tanh", name="trunk_top")(h)
-        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
-        return kt.upgrade(keras.Model(inputs, outputs))
+    def trunk(inputs):
+        h = OwnKernel(6, activation="tanh", name="trunk_own")(keras.layers.Flatten()(inputs))
+        return keras.layers.Dense(5, activation="tanh", name="trunk_top")(h)
 
-    by_layer, _ = _two_task_fit(build, True)
-    rows, _ = _two_task_fit(build, False)
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_paths_agree(lambda: _two_task_model(trunk, seed=2))
     assert set(layered) == {"trunk_top"}
 
 
 def _plain_trunk():
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((4, 3))
-    h = keras.layers.Dense(8, activation="tanh", name="trunk_1")(inputs)
-    h = keras.layers.Flatten()(h)
-    h = keras.layers.Dense(6, activation="tanh", name="trunk_2")(h)
-    outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
-    return kt.upgrade(keras.Model(inputs, outputs))
+    def trunk(inputs):
+        h = keras.layers.Dense(8, activation="tanh", name="trunk_1")(inputs)
+        return keras.layers.Dense(6, activation="tanh", name="trunk_2")(
+            keras.layers.Flatten()(h)
+        )
+
+    return _two_task_model(trunk, seed=3)
 
 
 def test_measure_conflict_logs_the_same_norms_and_cosines_layer_by_layer(layered):
     option = {"task_balancing": kt.MeasureConflict(every=2, shared="trunk*")}
-    by_layer, logs = _two_task_fit(_plain_trunk, True, **option)
-    rows, expected = _two_task_fit(_plain_trunk, False, **option)
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    logs, expected = _assert_paths_agree(_plain_trunk, atol=1e-6, **option)
     measured = [name for name in expected if "cos" in name or "norm" in name]
     assert measured, expected
     for name in measured:
@@ -403,28 +384,18 @@ def test_measure_conflict_logs_the_same_norms_and_cosines_layer_by_layer(layered
 def test_mixed_float16_layer_by_layer_equals_the_rows():
     keras.config.set_dtype_policy("mixed_float16")
     try:
-        by_layer, _ = _two_task_fit(_plain_trunk, True)
-        rows, _ = _two_task_fit(_plain_trunk, False)
+        _assert_paths_agree(_plain_trunk, atol=2e-3)
     finally:
         keras.config.set_dtype_policy("float32")
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
 def test_a_regularized_kernel_is_taken_layer_by_layer(layered):
     """The regularizer reads the kernel while the loss is computed: not a tied weight."""
 
-    def build():
-        keras.utils.set_random_seed(5)
-        inputs = keras.Input((4, 3))
-        h = keras.layers.Flatten()(inputs)
-        h = keras.layers.Dense(6, activation="tanh", name="trunk_regularized",
-                               kernel_regularizer=keras.regularizers.L2(0.05))(h)
-        outputs = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
-        return kt.upgrade(keras.Model(inputs, outputs))
+    def trunk(inputs):
+        return keras.layers.Dense(6, activation="tanh", name="trunk_regularized",
+                                  kernel_regularizer=keras.regularizers.L2(0.05))(
+            keras.layers.Flatten()(inputs))
 
-    by_layer, _ = _two_task_fit(build, True)
-    rows, _ = _two_task_fit(build, False)
-    for got, want in zip(by_layer, rows):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _assert_paths_agree(lambda: _two_task_model(trunk, seed=5))
     assert set(layered) == {"trunk_regularized"}
