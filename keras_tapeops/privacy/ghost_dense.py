@@ -176,23 +176,11 @@ class EinsumDenseRule:
         for record, (gz,) in zip(records, grads):
             a, g = float32(record["a"]), float32(gz)
             spec = layout(layer.equation, a.shape.rank)
-            a_axes = spec.batch + spec.kept + spec.contracted
-            g_axes = spec.batch + spec.kept + spec.produced
-            a_t = tf.transpose(a, [spec.inp.index(x) for x in a_axes])
-            g_t = tf.transpose(g, [spec.out.index(x) for x in g_axes])
-            pieces_a.append(_flatten_groups(a_t, len(spec.kept), len(spec.contracted)))
-            pieces_g.append(_flatten_groups(g_t, len(spec.kept), len(spec.produced)))
+            pieces_a.append(einsum_inputs(spec, a))
+            pieces_g.append(einsum_outputs(spec, g))
             if layer.bias is not None:
-                axes = [i for i, x in enumerate(spec.out) if i > 0 and x not in layer.bias_axes]
-                rows = tf.reduce_sum(g, axes) if axes else g
-                bias_rows.append(tf.reshape(rows, [tf.shape(g)[0], -1]))
-        order = spec.contracted + spec.produced
-        dims = [kernel.shape[spec.ker.index(x)] for x in order]
-        perm = [order.index(x) for x in spec.ker]
-
-        def kernel_from_matrix(matrix):
-            return tf.transpose(tf.reshape(matrix, dims), perm)
-
+                bias_rows.append(einsum_bias_rows(spec, layer.bias_axes, g))
+        kernel_from_matrix = einsum_kernel_from_matrix(spec, kernel)
         a = tf.concat(pieces_a, axis=1)
         g = tf.concat(pieces_g, axis=1)
         parts = {id(kernel): matmul_parts(a, g, context.scale, kernel_from_matrix)}
@@ -201,6 +189,37 @@ class EinsumDenseRule:
                 tf.add_n(bias_rows), context.scale, layer.bias.shape
             )
         return parts
+
+
+def einsum_inputs(spec, a):
+    """An EinsumDense call's input `a` as `[B, T, C]` (T: kept positions, C: contracted)."""
+    order = [spec.inp.index(x) for x in spec.batch + spec.kept + spec.contracted]
+    return _flatten_groups(tf.transpose(a, order), len(spec.kept), len(spec.contracted))
+
+
+def einsum_outputs(spec, g):
+    """The gradient `g` of an EinsumDense call's output as `[B, T, O]` (O: produced)."""
+    order = [spec.out.index(x) for x in spec.batch + spec.kept + spec.produced]
+    return _flatten_groups(tf.transpose(g, order), len(spec.kept), len(spec.produced))
+
+
+def einsum_bias_rows(spec, bias_axes, g):
+    """Each example's bias gradient, `[B, bias size]`, from the output gradient `g`."""
+    axes = [i for i, x in enumerate(spec.out) if i > 0 and x not in bias_axes]
+    rows = tf.reduce_sum(g, axes) if axes else g
+    return tf.reshape(rows, [tf.shape(g)[0], -1])
+
+
+def einsum_kernel_from_matrix(spec, kernel):
+    """`[C, O] matrix -> kernel-shaped tensor` for the layout `spec`."""
+    order = spec.contracted + spec.produced
+    dims = [kernel.shape[spec.ker.index(x)] for x in order]
+    perm = [order.index(x) for x in spec.ker]
+
+    def kernel_from_matrix(matrix):
+        return tf.transpose(tf.reshape(matrix, dims), perm)
+
+    return kernel_from_matrix
 
 
 def _flatten_groups(tensor, n_kept, n_features):
