@@ -806,3 +806,50 @@ def test_backup_every_n_batches_resumes_from_the_last_applied_step(initial_weigh
     straight = stock_on_batches(initial_weights, x, y, None, [(0, 64), (64, 100)] * 2)
     assert max_diff(straight.get_weights(), resumed.get_weights()) > 1e-3
 
+
+
+def _two_dtype_net(momenta=(0.9, 0.5)):
+    """x -> Dense (float32) + Dense (float64), plus two BatchNorm branches on x
+    (float32 and float64, their own momenta) times zero: their statistics depend
+    on x alone, and the model's gradient equals the large batch's."""
+    inputs = keras.Input((5,))
+    main = keras.layers.Dense(2, name="head")(inputs)
+    side = keras.layers.Dense(2, dtype="float64", name="head64")(inputs)
+    bn32 = keras.layers.BatchNormalization(momentum=momenta[0], name="bn32")(inputs)
+    bn64 = keras.layers.BatchNormalization(momentum=momenta[1], dtype="float64",
+                                           name="bn64")(inputs)
+    zero = keras.layers.Lambda(lambda t: 0.0 * keras.ops.sum(t, -1, keepdims=True))
+    outputs = keras.layers.Add()([main, side, zero(bn32), zero(bn64)])
+    return kt.upgrade(keras.Model(inputs, outputs))
+
+
+def test_packed_sums_and_statistics_keep_each_dtype_and_momentum():
+    """The loop carries gradient sums and BN statistics packed per dtype
+    (accumulation/flat.py): a float64 Dense and BN next to float32 ones, two
+    momenta, against stock's large-batch step and NumPy's statistics."""
+    rng = np.random.default_rng(8)
+    x = (rng.normal(size=(90, 5)) * [1, 2, 3, 4, 5] + [0, 1, -1, 2, 5]).astype("float32")
+    y = rng.normal(size=(90, 2)).astype("float32")
+    keras.utils.set_random_seed(3)
+    start = _two_dtype_net().get_weights()
+    results = {}
+    for k in (1, 4):
+        model = _two_dtype_net()
+        model.set_weights(start)
+        model.compile(keras.optimizers.SGD(0.05), "mse", micro_batches=k)
+        model.fit(x, y, batch_size=45, shuffle=False, verbose=0)
+        results[k] = model
+    ours, stock = results[4], results[1]
+    assert ours.get_layer("head64").kernel.dtype == "float64"
+    for name in ("head", "head64"):
+        for got, want in zip(ours.get_layer(name).get_weights(),
+                             stock.get_layer(name).get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    for name, momentum, tol in (("bn32", 0.9, 1e-5), ("bn64", 0.5, 1e-12)):
+        layer = ours.get_layer(name)
+        mean, var = bn_oracle(x, 45, 4, "large_batch", momentum=momentum)
+        np.testing.assert_allclose(layer.moving_mean.numpy(), mean, atol=tol, rtol=tol)
+        np.testing.assert_allclose(layer.moving_variance.numpy(), var, atol=10 * tol, rtol=tol)
+    # the other momentum's statistics differ (the check can fail)
+    other, _ = bn_oracle(x, 45, 4, "large_batch", momentum=0.9)
+    assert np.abs(ours.get_layer("bn64").moving_mean.numpy() - other).max() > 1e-2

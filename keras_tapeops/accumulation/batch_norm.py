@@ -24,7 +24,7 @@ from keras_tapeops import _compat
 from keras_tapeops.accumulation.batch_norm_statistics import batch_norm_layers
 from keras_tapeops.accumulation.batch_norm_statistics import merged_moments
 from keras_tapeops.accumulation.batch_norm_statistics import momentum_zero
-from keras_tapeops.accumulation.batch_norm_statistics import moving_average
+from keras_tapeops.accumulation.flat import FlatLayout
 
 
 def moving_statistics(model):
@@ -62,9 +62,14 @@ class LargeBatchStatistics:
     """Turns k per-micro-batch BatchNorm updates into one large-batch update.
 
     Use: `with stats.momentum_zero():` around the tracing of every forward
-    pass of the loop; `state = stats.start()` before the first; after each
-    forward `state = stats.add(state, size)`; at the end
-    `stats.finish(state, n)`.
+    pass of the loop; `before = stats.read()` and `state = stats.start()`
+    before the first; after each forward `state = stats.add(state, size)`;
+    at the end `stats.finish(before, state, n)`.
+
+    The statistics of every layer travel packed (`flat.FlatLayout`: one
+    vector per dtype for the means, one for the squares), so the loop
+    carries a few variables and each update is a few ops, whatever the
+    number of layers.
 
     Args:
         model: the model whose BatchNormalization layers are merged.
@@ -72,52 +77,71 @@ class LargeBatchStatistics:
     Example:
     ```python
     stats = LargeBatchStatistics(model)
-    state = stats.start()
+    before, state = stats.read(), stats.start()
     with stats.momentum_zero():
         for xb in micro_batches:
             model(xb, training=True)
             state = stats.add(state, tf.shape(xb)[0])
-    stats.finish(state, n)
+    stats.finish(before, state, n)
     ```
     """
 
     def __init__(self, model):
         self.layers = batch_norm_layers(model)
+        means = [layer.moving_mean for layer in self.layers]
+        self._layout = FlatLayout([v.shape for v in means], [v.dtype for v in means])
 
     def momentum_zero(self):
         """Moving statistics := the last micro-batch's statistics, while traced."""
         return momentum_zero(self.layers, [layer.momentum for layer in self.layers])
 
+    def read(self):
+        """The moving means and variances now, packed (read before the loop)."""
+        return self._pack_moving()
+
     def start(self):
-        """Returns the loop state: the moving statistics now and zero sums."""
-        old = [_read(v) for layer in self.layers for v in _moving(layer)]
-        return old + [tf.zeros_like(t) for t in old]
+        """Returns the loop state: zero sums of `n_i * mean_i` and `n_i * E_i[x^2]`."""
+        return self._layout.zeros() + self._layout.zeros()
 
     def add(self, state, size):
         """Adds the statistics the last forward pass left in the moving variables."""
-        n_vars = len(state) // 2
-        old, sums = state[:n_vars], list(state[n_vars:])
-        size = tf.cast(size, tf.float32)
-        i = 0
-        for layer in self.layers:
-            mean = _read(layer.moving_mean)
-            variance = _read(layer.moving_variance)
-            sums[i] = sums[i] + size * mean
-            sums[i + 1] = sums[i + 1] + size * (variance + tf.square(mean))
-            i += 2
-        return old + sums
+        groups = len(self._layout.groups)
+        means_and_variances = self._pack_moving()
+        means, variances = means_and_variances[:groups], means_and_variances[groups:]
+        mean_sums, square_sums = state[:groups], state[groups:]
+        mean_sums = [s + tf.cast(size, s.dtype) * m for s, m in zip(mean_sums, means)]
+        square_sums = [
+            s + tf.cast(size, s.dtype) * (v + tf.square(m))
+            for s, v, m in zip(square_sums, variances, means)
+        ]
+        return mean_sums + square_sums
 
-    def finish(self, state, n):
+    def finish(self, before, state, n):
         """One update of every moving statistic with the whole batch's statistics."""
-        n_vars = len(state) // 2
-        old, sums = state[:n_vars], state[n_vars:]
-        n = tf.cast(n, tf.float32)
-        i = 0
-        for layer in self.layers:
-            mean, variance = merged_moments(sums[i], sums[i + 1], n)
-            layer.moving_mean.assign(moving_average(old[i], mean, layer.momentum))
-            layer.moving_variance.assign(moving_average(old[i + 1], variance, layer.momentum))
-            i += 2
+        groups = len(self._layout.groups)
+        momenta = [layer.momentum for layer in self.layers]
+        # Both factors from Python floats, as `moving_average` takes them.
+        keep = self._layout.constant(momenta)
+        take = self._layout.constant([1.0 - m for m in momenta])
+        new_means, new_variances = [], []
+        for g in range(groups):
+            mean, variance = merged_moments(state[g], state[groups + g], tf.cast(n, state[g].dtype))
+            new_means.append(before[g] * keep[g] + mean * take[g])
+            new_variances.append(before[groups + g] * keep[g] + variance * take[g])
+        means = self._layout.unpack(new_means)
+        variances = self._layout.unpack(new_variances)
+        for layer, mean, variance in zip(self.layers, means, variances):
+            layer.moving_mean.assign(mean)
+            layer.moving_variance.assign(variance)
+
+    def _pack_moving(self):
+        means = self._layout.pack(
+            [tf.convert_to_tensor(layer.moving_mean) for layer in self.layers]
+        )
+        variances = self._layout.pack(
+            [tf.convert_to_tensor(layer.moving_variance) for layer in self.layers]
+        )
+        return means + variances
 
 
 def _moving(layer):

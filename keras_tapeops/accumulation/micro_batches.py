@@ -37,6 +37,7 @@ from keras_tapeops.accumulation import reduction_kinds
 from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation import splitting
 from keras_tapeops.accumulation.batch_norm import LargeBatchStatistics
+from keras_tapeops.accumulation.flat import FlatLayout
 from keras_tapeops.typing_aliases import Gradient
 from keras_tapeops.typing_aliases import Nested
 
@@ -85,6 +86,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     stats = LargeBatchStatistics(model)
     if model.tapeops_options.batch_norm_updates != "large_batch" or not stats.layers:
         stats = None
+    bn_before = stats.read() if stats is not None else []
     bn_state = stats.start() if stats is not None else []
     exact = reductions.analysable(model)
     totals = {}
@@ -93,6 +95,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         totals = reductions.weight_totals(model, sample_weight)
     option = reduction_kinds.option_of(model.tapeops_options)
     seen = {}
+    variables = model.trainable_variables
 
     def one_pass(micro, size, bn_state):
         multiplier = tf.cast(size, tf.float32) / n_float
@@ -105,7 +108,23 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             )
         if stats is not None:
             bn_state = stats.add(bn_state, size)
-        return grads, y_pred, bn_state, masked_grads, masked_sizes, logged
+        # One flat sum per dtype for the folded loss's gradients and for each
+        # masked output's: the loop carries a few vectors, not one variable
+        # per gradient (flat.py).
+        parts = [grads] + list(masked_grads)
+        seen["present"] = [[g is not None for g in part] for part in parts]
+        seen["layouts"] = [
+            FlatLayout(
+                [v.shape for v, g in zip(variables, part) if g is not None],
+                [_dtype(g) for g in part if g is not None],
+            )
+            for part in parts
+        ]
+        packed = [
+            layout.pack([_dense(g) for g in part if g is not None])
+            for layout, part in zip(seen["layouts"], parts)
+        ]
+        return packed, y_pred, bn_state, masked_sizes, logged
 
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
@@ -118,15 +137,11 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             tf.TensorSpec([], tf.int32),
             _spec(bn_state, batch=False),
         )
-    grads_spec, pred_spec, _, masked_spec, _, logged_spec = traced.structured_outputs
-    variables = model.trainable_variables
-    # One gradient sum for the folded loss, one per masked output.
-    present = [[g is not None for g in spec] for spec in [grads_spec] + list(masked_spec)]
-    sums = [
-        [tf.zeros(v.shape, _dtype(g)) for v, g, on in zip(variables, spec, on_list) if on]
-        for spec, on_list in zip([grads_spec] + list(masked_spec), present)
-    ]
-    sizes = [tf.constant(0.0) for _ in masked_spec]
+    _, pred_spec, _, masked_sizes_spec, logged_spec = traced.structured_outputs
+    # One (packed) gradient sum for the folded loss, one per masked output.
+    present, layouts = seen["present"], seen["layouts"]
+    sums = [layout.zeros() for layout in layouts]
+    sizes = [tf.constant(0.0) for _ in masked_sizes_spec]
     logged = [tf.constant(0.0) for _ in logged_spec]
     flat_pred_spec = tf.nest.flatten(pred_spec)
 
@@ -136,18 +151,11 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             tf.TensorArray(t.dtype, size=count, element_shape=t.shape, infer_shape=False)
             for t in flat_pred_spec
         ]
-        start = _after(tf.constant(0), tf.nest.flatten(sums) + tf.nest.flatten(bn_state))
+        start = _after(tf.constant(0), tf.nest.flatten(sums) + bn_before + bn_state)
 
         def body(i, sums, sizes, logged, arrays, bn_state, size_of=size_of, take=take):
-            g, pred, bn_state, masked, masked_sizes, shares = traced(take(i), size_of(i), bn_state)
-            parts = [g] + list(masked)
-            sums = [
-                [
-                    s + t
-                    for s, t in zip(part_sums, [_dense(t) for t, on in zip(part, on_list) if on])
-                ]
-                for part_sums, part, on_list in zip(sums, parts, present)
-            ]
+            packed, pred, bn_state, masked_sizes, shares = traced(take(i), size_of(i), bn_state)
+            sums = [[s + t for s, t in zip(ps, pt)] for ps, pt in zip(sums, packed)]
             sizes = [a + b for a, b in zip(sizes, masked_sizes)]
             logged = [a + b for a, b in zip(logged, shares)]
             arrays = [a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))]
@@ -161,12 +169,12 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         )
         outputs.append([a.concat() for a in arrays])
     if stats is not None:
-        stats.finish(bn_state, n)
+        stats.finish(bn_before, bn_state, n)
 
     y_pred = tf.nest.pack_sequence_as(
         pred_spec, [tf.concat(parts, axis=0) for parts in zip(*outputs)]
     )
-    grads = _combine(sums, sizes, present)
+    grads = _combine([layout.unpack(s) for layout, s in zip(layouts, sums)], sizes, present)
     summary = None
     if exact:
         if model._tapeops_logging:  # not in SAM's second pass
