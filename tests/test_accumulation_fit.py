@@ -853,3 +853,44 @@ def test_packed_sums_and_statistics_keep_each_dtype_and_momentum():
     # the other momentum's statistics differ (the check can fail)
     other, _ = bn_oracle(x, 45, 4, "large_batch", momentum=0.9)
     assert np.abs(ours.get_layer("bn64").moving_mean.numpy() - other).max() > 1e-2
+
+
+def _structured_net(structure):
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh", name="hidden")(inputs)
+    a = keras.layers.Dense(2, name="a")(hidden)
+    b = keras.layers.Dense(1, name="b")(hidden)
+    outputs = {"single": a, "list_of_one": [a], "pair": (a, b), "dict": {"a": a, "b": b}}
+    return keras.Model(inputs, outputs[structure])
+
+
+@pytest.mark.parametrize("structure", ["single", "list_of_one", "pair", "dict"])
+def test_micro_batches_build_the_compiled_loss_for_every_output_structure(structure):
+    """The compiled loss is built from a functional model's `output` (no
+    symbolic trace of the model): every output structure trains and logs as
+    stock Keras does on the whole batch."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(48, 5)).astype("float32")
+    ya = rng.normal(size=(48, 2)).astype("float32")
+    yb = rng.normal(size=(48, 1)).astype("float32")
+    targets = {"single": ya, "list_of_one": [ya], "pair": (ya, yb), "dict": {"a": ya, "b": yb}}
+    losses = {"single": "mse", "list_of_one": ["mse"], "pair": ("mse", "mae"),
+              "dict": {"a": "mse", "b": "mae"}}
+    keras.utils.set_random_seed(4)
+    start = _structured_net(structure).get_weights()
+    histories, weights = {}, {}
+    for name in ("stock", "ours"):
+        model = _structured_net(structure)
+        model.set_weights(start)
+        kwargs = {}
+        if name == "ours":
+            model, kwargs = kt.upgrade(model), {"micro_batches": 3}
+        model.compile(keras.optimizers.SGD(0.1), losses[structure], **kwargs)
+        histories[name] = model.fit(x, targets[structure], batch_size=24, epochs=2,
+                                    shuffle=False, verbose=0).history
+        weights[name] = model.get_weights()
+    assert_close(weights["ours"], weights["stock"], tol=1e-6)
+    assert histories["ours"].keys() == histories["stock"].keys()
+    for key, values in histories["stock"].items():
+        np.testing.assert_allclose(histories["ours"][key], values, rtol=1e-6, atol=1e-6)
+    assert max_diff(weights["ours"], start) > 1e-3  # it trained (the check can fail)

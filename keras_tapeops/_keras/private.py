@@ -140,6 +140,29 @@ def symbolic_build(model, data):
     model._symbolic_build(data_batch=data)
 
 
+def build_compiled_loss(model, data):
+    """Builds `model`'s compiled loss (`_compile_loss`, private) for the batch `data`.
+
+    For a functional model whose `call` is Keras's own, the loss is built
+    from its `output` (public: the structure it was built with) and `y`,
+    which is what Keras's symbolic build passes (`Functional.compute_output_spec`
+    packs the outputs into that structure; a one-element list stays a list;
+    Keras 3.10 to 3.15), without tracing the model. Any other model goes
+    through Keras's symbolic build, which traces its forward pass (about half
+    a second of MobileNetV2's first epoch, bench/first_epoch.py).
+    """
+    compile_loss = compiled_loss(model)
+    if compile_loss is None or compile_loss.built:
+        return
+    from keras_tapeops._keras.models import functional_class
+
+    functional = functional_class()
+    if isinstance(model, functional) and type(model).call is functional.call:
+        compile_loss.build(data[1], model.output)
+        return
+    symbolic_build(model, data)
+
+
 def is_loss_scale_optimizer(optimizer):
     """True for Keras's `LossScaleOptimizer` (public class, checked here for clarity)."""
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

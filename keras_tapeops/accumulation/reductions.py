@@ -291,11 +291,9 @@ def build_compiled_loss(model, x, y, sample_weight):
 
     Keras builds it lazily on its first call, which without a distribution
     strategy is inside the first traced step; the per-output list must
-    exist before it can be intercepted. Uses Keras's own symbolic build.
+    exist before it can be intercepted (`private.build_compiled_loss`).
     """
-    compile_loss = private.compiled_loss(model)
-    if compile_loss is not None and not compile_loss.built:
-        private.symbolic_build(model, (x, y, sample_weight))
+    private.build_compiled_loss(model, (x, y, sample_weight))
 
 
 def weight_totals(model, sample_weight):
