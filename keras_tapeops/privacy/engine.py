@@ -226,7 +226,7 @@ class DPSGDState(MultiGradientState):
                 ),
                 axis=0,
             )
-            x, y = tf.nest.map_structure(_finite_or_zero, (x, y))
+            x, y = _zeroed_if_nonfinite((x, y), tf.reduce_all(finite_data))
         tape = tf.GradientTape(persistent=True)
         with tape:
             with sites_lib.Recorder(self.sites, trainable) as recorder:
@@ -464,6 +464,28 @@ def _finite_rows(tensor):
     if finite.shape.rank == 1:
         return finite
     return tf.reduce_all(finite, axis=list(range(1, finite.shape.rank)))
+
+
+def _zeroed_if_nonfinite(data, all_finite):
+    """`data` with non-finite entries zeroed, copied only in a batch that has one.
+
+    The dense floating tensors go through one `tf.cond` (a batch of finite
+    data, the common case, passes as it is: on the bench's CNN the
+    element-wise select cost about 1 ms a step); ragged ones are zeroed.
+    """
+    flat = tf.nest.flatten(data)
+    dense = [i for i, t in enumerate(flat) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+    if dense:
+        picked = [flat[i] for i in dense]
+        zeroed = tf.cond(
+            all_finite,
+            lambda: [tf.identity(t) for t in picked],
+            lambda: [_finite_or_zero(t) for t in picked],
+        )
+        for i, tensor, before in zip(dense, zeroed, picked):
+            flat[i] = tf.ensure_shape(tensor, before.shape)
+    flat = [_finite_or_zero(t) if isinstance(t, tf.RaggedTensor) else t for t in flat]
+    return tf.nest.pack_sequence_as(data, flat)
 
 
 def _finite_or_zero(tensor):
