@@ -185,6 +185,11 @@ def configs_of(kind):
     return tuple(c for c in CONFIGS if not (kind == "mobilenet" and c == "vectorized"))
 
 
+def median_ratio(times, config):
+    """The median over rounds of `config`'s time over stock's in the same round."""
+    return statistics.median(t / b for t, b in zip(times[config], times["stock"]))
+
+
 def measure(kind, rounds):
     built = {config: build(kind, config) for config in configs_of(kind)}
     memory = {}
@@ -208,19 +213,13 @@ def measure(kind, rounds):
     # (CNN: 54 -> 67 ms in the same process).
     light = [config for config in built if config != "vectorized"]
     times = interleaved({config: run(config) for config in light}, rounds)
+    ratios = {config: median_ratio(times, config) for config in times}
     if "vectorized" in built:
         heavy = interleaved(
             {config: run(config) for config in ("stock", "vectorized")}, max(2, rounds // 2)
         )
-    else:
-        heavy = {}
-    ratios = {
-        config: statistics.median(t / b for t, b in zip(rounds_of[config], rounds_of["stock"]))
-        for rounds_of in (times, heavy)
-        for config in rounds_of
-    }
-    ratios["stock"] = 1.0
-    times.update({"vectorized": heavy["vectorized"]} if heavy else {})
+        ratios["vectorized"] = median_ratio(heavy, "vectorized")
+        times["vectorized"] = heavy["vectorized"]
     report = built["auto"][0].tapeops_state.engine.report()
     return times, ratios, memory, report, noise_ms(built["auto"][0])
 

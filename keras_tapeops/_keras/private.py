@@ -156,8 +156,7 @@ def build_compiled_loss(model, data):
         return
     from keras_tapeops._keras.models import functional_class
 
-    functional = functional_class()
-    if isinstance(model, functional) and type(model).call is functional.call:
+    if is_functional(model) and type(model).call is functional_class().call:
         compile_loss.build(data[1], model.output)
         return
     symbolic_build(model, data)
