@@ -104,7 +104,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             masked_grads, masked_sizes, logged = [], [], []
         else:
             grads, y_pred, masked_grads, masked_sizes, logged = _exact_pass(
-                model, micro, multiplier, n_float, totals, option, seen
+                model, micro, multiplier, n_float, totals, option, seen, seen["tape"]
             )
         if stats is not None:
             bn_state = stats.add(bn_state, size)
@@ -128,15 +128,24 @@ def micro_batch_pass(model, x, y, sample_weight, k):
 
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
+    specs = (
+        _spec(groups[0][2](0), batch=True),
+        tf.TensorSpec([], tf.int32),
+        _spec(bn_state, batch=False),
+    )
+    # The pass is traced without a tape around it; only a masked output's
+    # loss (differentiated apart) needs one, and then the pass is traced
+    # again with it. A tape around the whole pass also records its backward
+    # pass: that made tracing MobileNetV2's pass about 1 s slower.
+    seen["tape"] = False
     with momentum:
         # autograph=False: Keras traces its own step functions unconverted
         # (`do_not_convert`), and converting this module's code cost the
         # first epoch about 2 s on MobileNetV2 (bench/first_epoch.py).
-        traced = tf.function(one_pass, autograph=False).get_concrete_function(
-            _spec(groups[0][2](0), batch=True),
-            tf.TensorSpec([], tf.int32),
-            _spec(bn_state, batch=False),
-        )
+        traced = tf.function(one_pass, autograph=False).get_concrete_function(*specs)
+        if exact and any(r.kind == "masked" for r in seen["records"]):
+            seen["tape"] = True
+            traced = tf.function(one_pass, autograph=False).get_concrete_function(*specs)
     _, pred_spec, _, masked_sizes_spec, logged_spec = traced.structured_outputs
     # One (packed) gradient sum for the folded loss, one per masked output.
     present, layouts = seen["present"], seen["layouts"]
@@ -200,8 +209,12 @@ class PassSummary:
         self.masked_sizes = list(masked_sizes)
 
 
-def _exact_pass(model, micro, multiplier, n, totals, option, seen):
+def _exact_pass(model, micro, multiplier, n, totals, option, seen, taped):
     """One micro-batch's pass with every output's share rescaled (see reductions.py).
+
+    Args:
+        taped: record the pass on a tape, to differentiate the masked
+            outputs' losses (without one, `masked_grads` is empty).
 
     Returns:
         `(grads, y_pred, masked_grads, masked_sizes, logged)`: the folded
@@ -210,7 +223,8 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
         of its logged loss for the batch (Keras's own per-output logging is
         muted, so it is logged once per batch, as stock Keras does).
     """
-    with tf.GradientTape(persistent=True) as tape:
+    tape = tf.GradientTape(persistent=True) if taped else contextlib.nullcontext()
+    with tape:
         with reductions.intercepted(
             model,
             lambda r: reductions.folded_value(r, n, totals),
@@ -219,7 +233,7 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen):
             on_other=lambda r: reductions.folded_other(r, n, totals),
         ) as records:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
-        masked = [r for r in records if r.kind == "masked"]
+        masked = [r for r in records if r.kind == "masked"] if taped else []
         pieces = [reductions.numerator(r) for r in masked]
         if model.optimizer is not None:
             pieces = [model.optimizer.scale_loss(p) for p in pieces]
