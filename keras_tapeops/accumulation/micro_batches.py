@@ -97,14 +97,14 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     seen = {}
     variables = model.trainable_variables
 
-    def one_pass(micro, size, bn_state):
+    def one_pass(micro, size, bn_state, taped):
         multiplier = tf.cast(size, tf.float32) / n_float
         if not exact:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
             masked_grads, masked_sizes, logged = [], [], []
         else:
             grads, y_pred, masked_grads, masked_sizes, logged = _exact_pass(
-                model, micro, multiplier, n_float, totals, option, seen, seen["tape"]
+                model, micro, multiplier, n_float, totals, option, seen, taped
             )
         if stats is not None:
             bn_state = stats.add(bn_state, size)
@@ -133,19 +133,24 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         tf.TensorSpec([], tf.int32),
         _spec(bn_state, batch=False),
     )
-    # The pass is traced without a tape around it; only a masked output's
-    # loss (differentiated apart) needs one, and then the pass is traced
-    # again with it. A tape around the whole pass also records its backward
-    # pass: that made tracing MobileNetV2's pass about 1 s slower.
-    seen["tape"] = False
-    with momentum:
+
+    def trace(taped):
         # autograph=False: Keras traces its own step functions unconverted
         # (`do_not_convert`), and converting this module's code cost the
         # first epoch about 2 s on MobileNetV2 (bench/first_epoch.py).
-        traced = tf.function(one_pass, autograph=False).get_concrete_function(*specs)
+        def traced_pass(micro, size, bn_state):
+            return one_pass(micro, size, bn_state, taped)
+
+        return tf.function(traced_pass, autograph=False).get_concrete_function(*specs)
+
+    with momentum:
+        # The pass is traced without a tape around it; only a masked output's
+        # loss (differentiated apart) needs one, and then the pass is traced
+        # again with it. A tape around the whole pass also records its
+        # backward pass: about 0.8 CPU-seconds of MobileNetV2's first epoch.
+        traced = trace(taped=False)
         if exact and any(r.kind == "masked" for r in seen["records"]):
-            seen["tape"] = True
-            traced = tf.function(one_pass, autograph=False).get_concrete_function(*specs)
+            traced = trace(taped=True)
     _, pred_spec, _, masked_sizes_spec, logged_spec = traced.structured_outputs
     # One (packed) gradient sum for the folded loss, one per masked output.
     present, layouts = seen["present"], seen["layouts"]
