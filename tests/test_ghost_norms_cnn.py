@@ -18,6 +18,19 @@ import keras_tapeops as kt
 from test_ghost_norms import _check
 
 
+def _with_stride(rate):
+    """`rate` where Keras accepts strides > 1 with dilation > 1 (3.15), else 1.
+
+    The oldest supported Keras refuses the pair when the layer is created;
+    there the "both" branches below run strided only.
+    """
+    try:
+        keras.layers.DepthwiseConv1D(2, strides=2, dilation_rate=2)
+    except ValueError:
+        return 1
+    return rate
+
+
 def _functional(inputs, branches):
     flat = [keras.layers.Flatten()(b) for b in branches]
     merged = keras.layers.Concatenate()(flat) if len(flat) > 1 else flat[0]
@@ -38,7 +51,7 @@ def test_depthwise_conv2d(rng):
         keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2, name="strided")(inputs),
         keras.layers.DepthwiseConv2D((3, 2), dilation_rate=2, padding="same", activation="tanh",
                                      use_bias=False, name="dilated")(inputs),
-        keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=2, padding="same",
+        keras.layers.DepthwiseConv2D(2, strides=2, dilation_rate=_with_stride(2), padding="same",
                                      name="both")(inputs),
         # Output [B, 4, 5, 4]: Keras adds this channels-first bias on the last axis (4 = C * M).
         keras.layers.DepthwiseConv2D(3, depth_multiplier=2, data_format="channels_first",
@@ -58,7 +71,7 @@ def test_depthwise_conv1d(rng):
     branches = [
         keras.layers.DepthwiseConv1D(3, padding="same", strides=2, activation="relu")(inputs),
         keras.layers.DepthwiseConv1D(3, dilation_rate=2, depth_multiplier=2)(inputs),
-        keras.layers.DepthwiseConv1D(2, strides=2, dilation_rate=3, padding="same",
+        keras.layers.DepthwiseConv1D(2, strides=2, dilation_rate=_with_stride(3), padding="same",
                                      name="both")(inputs),
     ]
     model = _functional(inputs, branches)
@@ -77,7 +90,7 @@ def test_separable_conv2d(rng):
         keras.layers.SeparableConv2D(16, 3, strides=3, depth_multiplier=2, name="wide")(inputs),
         keras.layers.SeparableConv2D(2, (3, 2), dilation_rate=2, padding="same", use_bias=False,
                                      activation="tanh", name="dilated")(inputs),
-        keras.layers.SeparableConv2D(3, 2, strides=2, dilation_rate=2, padding="same",
+        keras.layers.SeparableConv2D(3, 2, strides=2, dilation_rate=_with_stride(2), padding="same",
                                      name="both")(inputs),
         keras.layers.SeparableConv2D(2, 3, depth_multiplier=2, data_format="channels_first",
                                      name="first")(first),
@@ -99,7 +112,7 @@ def test_separable_conv1d(rng):
     branches = [
         keras.layers.SeparableConv1D(4, 3, padding="same", strides=2, activation="relu")(inputs),
         keras.layers.SeparableConv1D(2, 3, dilation_rate=2, depth_multiplier=2)(inputs),
-        keras.layers.SeparableConv1D(2, 2, strides=2, dilation_rate=2, padding="same",
+        keras.layers.SeparableConv1D(2, 2, strides=2, dilation_rate=_with_stride(2), padding="same",
                                      name="both")(inputs),
     ]
     model = _functional(inputs, branches)
