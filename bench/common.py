@@ -23,13 +23,25 @@ def interleaved(candidates, rounds):
     Returns:
         dict name -> list of seconds, one per round.
     """
-    times = {name: [] for name in candidates}
+    return interleaved_wall_and_cpu(candidates, rounds)[0]
+
+
+def interleaved_wall_and_cpu(candidates, rounds):
+    """`interleaved`, also reading the process's CPU time of each call.
+
+    Returns:
+        `(wall, cpu)`: two dicts name -> list of seconds, one per round.
+    """
+    wall = {name: [] for name in candidates}
+    cpu = {name: [] for name in candidates}
     names = list(candidates)
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            times[name].append(time_call(candidates[name]))
-    return times
+            start_cpu = time.process_time()
+            wall[name].append(time_call(candidates[name]))
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def report(times, baseline, label):

@@ -13,8 +13,6 @@ hour, while CPU-time ratios stayed within a few percent).
 """
 
 import argparse
-import statistics
-import time
 
 import common  # noqa: F401  (sets TF log level before TensorFlow loads)
 import keras
@@ -57,19 +55,10 @@ def main():
     y = rng.integers(0, 10, size=256)
     first_epoch(1, x, y)()  # warm up TensorFlow and Keras themselves
     candidates = {"stock fit": first_epoch(1, x, y), "micro_batches=4": first_epoch(4, x, y)}
-    wall = {name: [] for name in candidates}
-    cpu = {name: [] for name in candidates}
-    for r in range(args.rounds):
-        for name in list(candidates)[:: 1 if r % 2 == 0 else -1]:
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            candidates[name]()
-            wall[name].append(time.perf_counter() - start_wall)
-            cpu[name].append(time.process_time() - start_cpu)
+    wall, cpu = common.interleaved_wall_and_cpu(candidates, args.rounds)
+    print("target <= 1.3x")
     common.report(wall, "stock fit", "stock first epoch (wall)")
-    for name, values in cpu.items():
-        ratio = statistics.median(v / b for v, b in zip(values, cpu["stock fit"]))
-        print(f"{name:<34} median {statistics.median(values):8.2f} CPU-s  "
-              f"{ratio:.3f}x stock first epoch (CPU)   target <= 1.3x")
+    common.report(cpu, "stock fit", "stock first epoch (CPU)")
 
 
 if __name__ == "__main__":
