@@ -28,13 +28,18 @@ layer, TF Privacy's vectorized approach).
           `fastest`: the fastest round's time over stock's fastest (on 2
           CPU cores a round's time is bimodal, e.g. 40 or 66 ms per DP step
           and 24 or 34 ms per stock step, whichever config runs).
-  memory  `step`: TensorFlow's CPU allocator peak during one
-          `train_on_batch` above what was allocated before it; `total`:
-          that plus what the configuration holds between steps (its
-          model's, optimizer's and engine's variables and the batch: what
-          Opacus's GPU figures count). Every configuration lives in one
-          process, so the allocator's own "current" before the step counts
-          the other models too and is not used.
+  memory  `step`: the peak of the tensors alive during one `train_on_batch`
+          (the sum of their requested bytes, from the profiler's memory
+          events: tensor_memory.py); `total`: that plus what the
+          configuration holds between steps (its model's, optimizer's and
+          engine's variables and the batch: what Opacus's GPU figures
+          count). `alloc`: TensorFlow's BFC allocator's peak during the
+          step, which counts its chunks rather than the tensors in them
+          (an 8 MiB tensor may get a 12.6 MiB chunk), so it moves by up to
+          5 MiB between processes for the same step; printed next to it.
+          Every configuration lives in one process, so the allocator's own
+          "current" before the step counts the other models too and is
+          not used.
   noise   the time of the noise draw alone (`privacy.noise.gaussian_at`
           for every trainable variable, in a `tf.function`), per step.
 
@@ -62,6 +67,7 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved  # noqa: E402
 from common import time_call  # noqa: E402
+from tensor_memory import live_tensor_peak  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
 
@@ -200,12 +206,14 @@ def measure(kind, rounds):
     for config, (model, _, x, y) in built.items():
         xb, yb = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
         model.train_on_batch(xb, yb)  # traces the single-batch function
-        # the median of three peaks: the allocator's peak moves by a few MiB
-        # with the order the threads run the ops in
+        # medians of three: the peaks move with the order the threads run the ops in
         step = statistics.median(
+            live_tensor_peak(lambda: model.train_on_batch(xb, yb))[0] for _ in range(3)
+        )
+        alloc = statistics.median(
             allocator_peak(lambda: model.train_on_batch(xb, yb)) for _ in range(3)
         )
-        memory[config] = (resident_mib(model, (xb, yb)) + step, step)
+        memory[config] = (resident_mib(model, (xb, yb)) + step, step, alloc)
 
     def run(config):
         model, data, _, _ = built[config]
@@ -244,16 +252,18 @@ def main():
               f"({noise / stock_ms:.2f}x of a stock step)")
         for config in configs_of(kind):
             ratio = ratios[config]
-            total, step = memory[config]
+            total, step, alloc = memory[config]
             memory_ratio = total / memory["stock"][0]
             step_ratio = step / memory["stock"][1]
+            alloc_ratio = alloc / memory["stock"][2]
             fastest = min(times[config]) / min(times["stock"])
             rows.append((kind, config, statistics.median(times[config]) / STEPS * 1000,
-                         ratio, fastest, total, memory_ratio, step, step_ratio))
+                         ratio, fastest, total, memory_ratio, step, step_ratio, alloc_ratio))
     print(f"\n{'model':<12} {'config':<11} {'ms/step':>8} {'time x':>7} {'fastest':>7} "
           f"{'total MiB':>10} "
-          f"{'memory x':>9} {'step MiB':>9} {'step x':>7}  target (auto: time, total memory)")
-    for kind, config, ms, ratio, fastest, mib, memory_ratio, step, step_ratio in rows:
+          f"{'memory x':>9} {'step MiB':>9} {'step x':>7} {'alloc x':>8}  "
+          "target (auto: time, total memory)")
+    for kind, config, ms, ratio, fastest, mib, memory_ratio, step, step_ratio, alloc_ratio in rows:
         target = ""
         if config == "auto" and kind in TIME_TARGETS:
             ok_time = ratio <= TIME_TARGETS[kind]
@@ -264,7 +274,7 @@ def main():
             target = "reported"
         print(f"{kind:<12} {config:<11} {ms:8.2f} {ratio:7.2f} {fastest:7.2f} {mib:10.1f} "
               f"{memory_ratio:9.2f} "
-              f"{step:9.1f} {step_ratio:7.2f}  {target}")
+              f"{step:9.1f} {step_ratio:7.2f} {alloc_ratio:8.2f}  {target}")
 
 
 if __name__ == "__main__":

@@ -100,14 +100,11 @@ class ConvRule:
             )
             shapes = [(), (patch_size * filters,)] if keep_rows else [()]
             results = chunked_norms(norms, inputs, outputs, per_example, shapes)
-        batch = tf.shape(inputs[0])[0]
-        squared = results[0][:batch] / (context.scale * context.scale)
+        squared = results[0] / (context.scale * context.scale)
 
         def weighted(c):
-            if keep_rows:  # the rows of the chunks' padding get weight 0
-                rows = results[1]
-                c = tf.pad(c, [[0, tf.shape(rows)[0] - batch]])
-                matrix = tf.linalg.matvec(rows, c, transpose_a=True)
+            if keep_rows:
+                matrix = tf.linalg.matvec(results[1], c, transpose_a=True)
                 return _kernel_from_matrix(layer, tf.reshape(matrix, [patch_size, filters]))
             return tf.add_n(
                 [
@@ -144,11 +141,16 @@ def chunked_norms(norms, inputs, outputs, per_example, shapes=((),)):
         shapes: the static shape of one example's entry of each result.
 
     Returns:
-        The list of float32 results, each `[B', ...]` with `B' >= B` rows: the
-        batch is padded with zeros to whole chunks (the padding's results
-        follow the batch's; slicing them off would copy them). A
-        `tf.while_loop` with `parallel_iterations=1` bounds the memory to one
-        chunk's. A batch no larger than a chunk (static size) is one call.
+        The list of float32 results, each `[B, ...]`. A `tf.while_loop` with
+        `parallel_iterations=1` bounds the memory to one chunk's. Every
+        chunk is a view of the inputs (a slice along the batch axis); the
+        last one ends at the batch's end and overlaps the one before it
+        when the chunk size does not divide the batch, and its repeated
+        rows are dropped. (Padding the batch to whole chunks instead copied
+        the inputs and output gradients whenever the chunk size did not
+        divide the batch: 5 MiB a step for the third convolution of
+        bench/privacy.py's CNN.) A batch no larger than a chunk (static
+        size) is one call.
 
     Example:
     ```python
@@ -160,32 +162,47 @@ def chunked_norms(norms, inputs, outputs, per_example, shapes=((),)):
     if static_batch is not None and static_batch <= chunk:
         return norms(inputs, outputs)
     batch = tf.shape(inputs[0])[0]
-    count = (batch + chunk - 1) // chunk
+    # A batch smaller than a chunk is padded to one (a copy of fewer than
+    # `chunk` examples); a zero padding is no copy.
+    filled = tf.maximum(batch, chunk)
+    count = (filled + chunk - 1) // chunk
 
-    def split(tensor):
-        padding = [[0, count * chunk - batch]] + [[0, 0]] * (tensor.shape.rank - 1)
-        padded = tf.pad(tensor, padding)
-        return tf.reshape(padded, tf.concat([[count, chunk], tf.shape(tensor)[1:]], 0))
+    def fill(tensor):
+        return tf.pad(tensor, [[0, filled - batch]] + [[0, 0]] * (tensor.shape.rank - 1))
 
-    xs, gs = [split(x) for x in inputs], [split(g) for g in outputs]
+    xs, gs = [fill(x) for x in inputs], [fill(g) for g in outputs]
 
-    def pick(i, tensors, like):
-        # An index on the first axis: on CPU a view of the chunk, where
+    def pick(i, tensors):
+        # A range of the first axis: on CPU a view of the chunk, where
         # `tf.gather` copied it (about 3.6 ms of the bench's CNN step).
-        return [tf.ensure_shape(t[i], [chunk, *o.shape[1:]]) for t, o in zip(tensors, like)]
+        start = tf.minimum(i * chunk, filled - chunk)
+        return [
+            tf.slice(t, [start] + [0] * (t.shape.rank - 1), [chunk] + [-1] * (t.shape.rank - 1))
+            for t in tensors
+        ]
 
     arrays = [
         tf.TensorArray(tf.float32, size=count, element_shape=[chunk, *shape]) for shape in shapes
     ]
 
     def body(i, arrays):
-        values = norms(pick(i, xs, inputs), pick(i, gs, outputs))
+        values = norms(pick(i, xs), pick(i, gs))
         return i + 1, [array.write(i, value) for array, value in zip(arrays, values)]
 
     _, arrays = tf.while_loop(
         lambda i, _: i < count, body, [tf.constant(0), arrays], parallel_iterations=1
     )
-    return [tf.reshape(array.stack(), [-1, *shape]) for array, shape in zip(arrays, shapes)]
+    # The last chunk ends at the end and repeats `repeated` examples of the
+    # one before it: example `j` is row `j` before the last chunk's
+    # repeats, row `j + repeated` from them on.
+    cut = (count - 1) * chunk
+    repeated = count * chunk - filled
+    example = tf.range(batch)
+    rows = example + repeated * tf.cast(example >= cut, tf.int32)
+    return [
+        tf.gather(tf.reshape(array.stack(), [-1, *shape]), rows)
+        for array, shape in zip(arrays, shapes)
+    ]
 
 
 def _along_batch(c, tensor):
