@@ -333,7 +333,8 @@ class _BackwardPass:
     """The gradients of the objective with respect to every recorded `z`, and the rules' parts.
 
     The gradients are taken once; `parts` may run the rules twice (on the
-    records as they are, and on zeroed ones).
+    records as they are, and on zeroed ones for the layers whose parts are
+    not row-local: see `Part.sanitized`).
     """
 
     def __init__(self, engine, model, tape, recorder, objective, scaled, scale):
@@ -349,6 +350,7 @@ class _BackwardPass:
         self.flat_grads = tape.gradient(
             objective, flat_z, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
+        self.first_parts = {}  # id(site) -> its parts of the records as they are
 
     def parts(self, finite_data=None):
         """`id(variable) -> Part` for every trainable variable the forward pass used.
@@ -378,14 +380,27 @@ class _BackwardPass:
             for record in records:
                 grads.append(self.flat_grads[position : position + len(record["z"])])
                 position += len(record["z"])
-            if sanitize:
+            kept = self.first_parts.get(id(site))
+            if sanitize and kept and all(p.rows is not None for p in kept.values()):
+                # Row-local parts: a non-finite example's entries are in its
+                # own rows (and make its norm non-finite), so the rows are
+                # cleaned instead of running the rule on zeroed records, and
+                # the records are not kept for this branch.
+                site_parts = {vid: part.sanitized() for vid, part in kept.items()}
+                finite_rows.extend(tf.math.is_finite(p.squared_norms) for p in kept.values())
+            elif sanitize:
                 finite_rows.extend(
                     _finite_rows(t) for record in records for t in _floating([record.get("a")])
                 )
                 finite_rows.extend(_finite_rows(g) for gz in grads for g in _floating(gz))
                 records = [_zeroed_record(record) for record in records]
                 grads = [[_finite_or_zero(g) for g in gz] for gz in grads]
-            for vid, part in site.rule.clip(site, records, grads, context).items():
+                site_parts = site.rule.clip(site, records, grads, context)
+            else:
+                site_parts = self.first_parts[id(site)] = site.rule.clip(
+                    site, records, grads, context
+                )
+            for vid, part in site_parts.items():
                 if vid in global_ids:
                     continue
                 parts[vid] = part

@@ -102,10 +102,11 @@ class ConvRule:
             results = chunked_norms(norms, inputs, outputs, per_example, shapes)
         squared = results[0] / (context.scale * context.scale)
 
+        def from_rows(rows, c):
+            matrix = tf.linalg.matvec(rows, c, transpose_a=True)
+            return _kernel_from_matrix(layer, tf.reshape(matrix, [patch_size, filters]))
+
         def weighted(c):
-            if keep_rows:
-                matrix = tf.linalg.matvec(results[1], c, transpose_a=True)
-                return _kernel_from_matrix(layer, tf.reshape(matrix, [patch_size, filters]))
             return tf.add_n(
                 [
                     _filter_gradient(layer, x, g * _along_batch(c, g))
@@ -113,7 +114,14 @@ class ConvRule:
                 ]
             )
 
-        parts = {id(kernel): Part(squared, weighted, method)}
+        if keep_rows:
+            rows = results[1]
+            part = Part(
+                squared, lambda c: from_rows(rows, c), method, rows=rows, from_rows=from_rows
+            )
+        else:
+            part = Part(squared, weighted, method)
+        parts = {id(kernel): part}
         if layer.bias is not None:
             bias_rows = tf.add_n(
                 [tf.reduce_sum(g, list(range(1, g.shape.rank - 1))) for g in outputs]

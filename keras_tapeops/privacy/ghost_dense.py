@@ -22,6 +22,7 @@ vectorized fallback.
 
 from __future__ import annotations
 
+from typing import Callable
 from typing import Sequence
 
 import keras
@@ -51,8 +52,8 @@ def matmul_parts(a, g, scale, kernel_from_matrix):
     if matmul_method(t, p, o) == "per-example":
         # The per-example gradients exist: the clipped sum weights them
         # (no second pass over the positions).
-        rows = per_example_part(tf.einsum("btp,bto->bpo", a, g), scale, [p, o])
-        return Part(rows.squared_norms, lambda c: kernel_from_matrix(rows.weighted(c)), rows.method)
+        rows = tf.einsum("btp,bto->bpo", a, g)
+        return per_example_part(rows, scale, [p, o], finish=kernel_from_matrix)
     squared, method = matmul_squared_norms(a, g)
     squared = squared / (scale * scale)
 
@@ -109,15 +110,34 @@ def per_example_part(
     scale: tf.Tensor | float,
     shape: Sequence[int] | tf.TensorShape,
     method: str = "per-example",
+    finish: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> Part:
-    """A `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled)."""
+    """A row-local `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled).
+
+    Args:
+        rows: `[B, ...]` per-example gradients (in loss-scaled units).
+        scale: the loss scale.
+        shape: the shape of the clipped sum before `finish`.
+        method: the name shown in the report.
+        finish: optional callable applied to the clipped sum (e.g. a kernel
+            layout).
+
+    Returns:
+        A `Part` with `rows` (see `Part.sanitized`).
+
+    Example:
+    ```python
+    per_example_part(tf.ones([4, 3]), 1.0, [3]).weighted(tf.ones([4]))  # [4, 4, 4]
+    ```
+    """
     flat = tf.reshape(rows, [tf.shape(rows)[0], -1])
     squared = tf.reduce_sum(flat * flat, 1) / (scale * scale)
 
-    def weighted(c):
-        return tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
+    def from_rows(flat, c):
+        summed = tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
+        return summed if finish is None else finish(summed)
 
-    return Part(squared, weighted, method)
+    return Part(squared, lambda c: from_rows(flat, c), method, rows=flat, from_rows=from_rows)
 
 
 def positions(tensor, features):

@@ -40,14 +40,52 @@ class Part:
             `scale * sum_i c_i * d loss_i / d variable` (a tensor shaped like
             the variable, or `tf.IndexedSlices`), float32.
         method: how the norms were computed ("ghost", "per-example", ...).
+        rows: optional `[B, ...]` per-example gradients that `weighted`
+            reads, example by example (`weighted(c) == from_rows(rows, c)`).
+        from_rows: with `rows`, callable `(rows, c) -> gradient`.
+
+    A part with rows is row-local: a non-finite example's entries stay in its
+    own row, so when some example is not finite the engine zeroes the rows'
+    non-finite entries (`sanitized`) instead of running the rule again on
+    zeroed records, and the layer's records need not be kept for that.
     """
 
     def __init__(
-        self, squared_norms: tf.Tensor, weighted: Callable[[tf.Tensor], Gradient], method: str
+        self,
+        squared_norms: tf.Tensor,
+        weighted: Callable[[tf.Tensor], Gradient],
+        method: str,
+        *,
+        rows: tf.Tensor | None = None,
+        from_rows: Callable[[tf.Tensor, tf.Tensor], Gradient] | None = None,
     ) -> None:
         self.squared_norms = squared_norms
         self.weighted = weighted
         self.method = method
+        self.rows = rows
+        self.from_rows = from_rows
+
+    def sanitized(self) -> "Part | None":
+        """This part with non-finite rows' entries and norms zeroed; None without rows.
+
+        Returns:
+            A row-local `Part` whose clipped sum gives a non-finite example
+            (weight 0) exactly nothing, or None when this part has no rows.
+
+        Example:
+        ```python
+        clean = kt.privacy.per_example_part(rows, 1.0, [3]).sanitized()
+        ```
+        """
+        if self.rows is None or self.from_rows is None:
+            return None
+        rows = tf.where(tf.math.is_finite(self.rows), self.rows, tf.zeros_like(self.rows))
+        squared = self.squared_norms
+        squared = tf.where(tf.math.is_finite(squared), squared, tf.zeros_like(squared))
+        from_rows = self.from_rows
+        return Part(
+            squared, lambda c: from_rows(rows, c), self.method, rows=rows, from_rows=from_rows
+        )
 
 
 class Context:
