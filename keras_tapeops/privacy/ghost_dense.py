@@ -127,7 +127,7 @@ def per_example_part(
 
     Example:
     ```python
-    per_example_part(tf.ones([4, 3]), 1.0, [3]).weighted(tf.ones([4]))  # [4, 4, 4]
+    kt.privacy.per_example_part(tf.ones([4, 3]), 1.0, [3]).weighted(tf.ones([4]))  # [4, 4, 4]
     ```
     """
     flat = tf.reshape(rows, [tf.shape(rows)[0], -1])

@@ -74,7 +74,7 @@ class Part:
 
         Example:
         ```python
-        clean = kt.privacy.per_example_part(rows, 1.0, [3]).sanitized()
+        clean = kt.privacy.per_example_part(tf.ones([4, 3]), 1.0, [3]).sanitized()
         ```
         """
         if self.rows is None or self.from_rows is None:
