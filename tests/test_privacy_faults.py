@@ -395,6 +395,40 @@ def test_row_local_layers_are_not_clipped_again_for_a_non_finite_batch(monkeypat
     assert calls == {"Conv": 1, "GroupNormalization": 1, "Dense": 2}, calls
 
 
+@pytest.mark.unit
+def test_jacobian_rows_are_not_row_local_but_rule_rows_are():
+    """A per-example Jacobian over the whole batch puts one example's NaN
+    into every row (`A^T (e_i G)`: NaN times 0), so the vectorized parts
+    must be computed again from zeroed records, not cleaned row by row; the
+    rules' `A_i^T G_i` rows keep it in its own row."""
+    from keras_tapeops import rows as rows_lib
+    from keras_tapeops.privacy import vectorized
+
+    kernel = tf.Variable(tf.random.normal([3, 2], seed=1))
+    a = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    a[1, 0] = np.nan
+    g = tf.ones([4, 2])
+
+    @tf.function
+    def jacobian_parts(a):
+        with tf.GradientTape(persistent=True) as tape:
+            objectives = tf.reduce_sum((a @ kernel) * g, 1)
+        matrix = rows_lib.jacobian_rows(tape, objectives, [kernel], method="pfor")
+        parts = vectorized.rows_parts(tape, objectives, [kernel], 1.0, "vectorized")
+        return matrix, parts[id(kernel)].rows is None
+
+    matrix, without_rows = jacobian_parts(tf.constant(a))
+    assert not np.isfinite(matrix.numpy()).all(axis=1).any()  # every row is NaN
+    assert bool(without_rows)
+    local = kt.privacy.per_example_part(tf.einsum("bp,bo->bpo", a, g), 1.0, [3, 2])
+    assert local.rows is not None
+    assert np.isfinite(local.rows.numpy()).all(axis=1).tolist() == [True, False, True, True]
+    rows, clean = local.rows.numpy(), local.sanitized().rows.numpy()
+    finite = np.isfinite(rows)
+    np.testing.assert_array_equal(clean[finite], rows[finite])  # the rest is 0
+    np.testing.assert_array_equal(clean[~finite], np.zeros((~finite).sum()))
+
+
 def test_a_non_finite_example_under_jit_equals_the_graph_step():
     """XLA: the same zeroing (noise 0: XLA draws other noise than the graph)."""
     rng = np.random.default_rng(1)

@@ -111,6 +111,7 @@ def per_example_part(
     shape: Sequence[int] | tf.TensorShape,
     method: str = "per-example",
     finish: Callable[[tf.Tensor], tf.Tensor] | None = None,
+    row_local: bool = True,
 ) -> Part:
     """A row-local `Part` from materialized per-example gradients `rows` (`[B, ...]`, loss-scaled).
 
@@ -121,9 +122,15 @@ def per_example_part(
         method: the name shown in the report.
         finish: optional callable applied to the clipped sum (e.g. a kernel
             layout).
+        row_local: whether each row depends on its own example's records
+            only (computed example by example, as `A_i^T G_i`). False for
+            rows taken from a backward pass over the whole batch (a
+            per-example Jacobian: `A^T (e_i G)` multiplies another example's
+            NaN by 0), which the non-finite branch must compute again from
+            zeroed records.
 
     Returns:
-        A `Part` with `rows` (see `Part.sanitized`).
+        A `Part`, with `rows` when `row_local` (see `Part.sanitized`).
 
     Example:
     ```python
@@ -137,6 +144,8 @@ def per_example_part(
         summed = tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
         return summed if finish is None else finish(summed)
 
+    if not row_local:
+        return Part(squared, lambda c: from_rows(flat, c), method)
     return Part(squared, lambda c: from_rows(flat, c), method, rows=flat, from_rows=from_rows)
 
 

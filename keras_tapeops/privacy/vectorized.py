@@ -83,5 +83,9 @@ def rows_parts(tape, objectives, variables, scale, method, sanitize=False):
         size = variable.shape.num_elements()
         block = matrix[:, start : start + size]
         start += size
-        parts[id(variable)] = per_example_part(block, scale, variable.shape, method)
+        # Jacobian rows are not row-local: a NaN in one example's activations
+        # reaches the others' rows (see `per_example_part`).
+        parts[id(variable)] = per_example_part(
+            block, scale, variable.shape, method, row_local=False
+        )
     return parts
