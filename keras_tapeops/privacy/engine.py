@@ -381,7 +381,7 @@ class _BackwardPass:
                 grads.append(self.flat_grads[position : position + len(record["z"])])
                 position += len(record["z"])
             kept = self.first_parts.get(id(site))
-            if sanitize and kept and all(p.rows is not None for p in kept.values()):
+            if sanitize and kept and all(p.rows is not None and p.row_local for p in kept.values()):
                 # Row-local parts: a non-finite example's entries are in its
                 # own rows (and make its norm non-finite), so the rows are
                 # cleaned instead of running the rule on zeroed records, and

@@ -130,7 +130,7 @@ def per_example_part(
             zeroed records.
 
     Returns:
-        A `Part`, with `rows` when `row_local` (see `Part.sanitized`).
+        A `Part` with `rows` (see `Part.sanitized`).
 
     Example:
     ```python
@@ -144,9 +144,14 @@ def per_example_part(
         summed = tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
         return summed if finish is None else finish(summed)
 
-    if not row_local:
-        return Part(squared, lambda c: from_rows(flat, c), method)
-    return Part(squared, lambda c: from_rows(flat, c), method, rows=flat, from_rows=from_rows)
+    return Part(
+        squared,
+        lambda c: from_rows(flat, c),
+        method,
+        rows=flat,
+        from_rows=from_rows,
+        row_local=row_local,
+    )
 
 
 def positions(tensor, features):

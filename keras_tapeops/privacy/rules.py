@@ -43,6 +43,9 @@ class Part:
         rows: optional `[B, ...]` per-example gradients that `weighted`
             reads, example by example (`weighted(c) == from_rows(rows, c)`).
         from_rows: with `rows`, callable `(rows, c) -> gradient`.
+        row_local: False when a row may depend on other examples' records
+            (a Jacobian over the whole batch): the engine then runs the rule
+            again on zeroed records instead of cleaning the rows.
 
     A part with rows is row-local: a non-finite example's entries stay in its
     own row, so when some example is not finite the engine zeroes the rows'
@@ -58,26 +61,29 @@ class Part:
         *,
         rows: tf.Tensor | None = None,
         from_rows: Callable[[tf.Tensor, tf.Tensor], Gradient] | None = None,
+        row_local: bool = True,
     ) -> None:
         self.squared_norms = squared_norms
         self.weighted = weighted
         self.method = method
         self.rows = rows
         self.from_rows = from_rows
+        self.row_local = row_local
 
     def sanitized(self) -> "Part | None":
         """This part with non-finite rows' entries and norms zeroed; None without rows.
 
         Returns:
             A row-local `Part` whose clipped sum gives a non-finite example
-            (weight 0) exactly nothing, or None when this part has no rows.
+            (weight 0) exactly nothing, or None when this part has no rows
+            or they are not row-local.
 
         Example:
         ```python
         clean = kt.privacy.per_example_part(tf.ones([4, 3]), 1.0, [3]).sanitized()
         ```
         """
-        if self.rows is None or self.from_rows is None:
+        if self.rows is None or self.from_rows is None or not self.row_local:
             return None
         rows = tf.where(tf.math.is_finite(self.rows), self.rows, tf.zeros_like(self.rows))
         squared = self.squared_norms
