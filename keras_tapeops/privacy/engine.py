@@ -57,6 +57,7 @@ from keras_tapeops.privacy.ghost_group_norm import GroupNormRule
 from keras_tapeops.privacy.ghost_layer_norm import LayerNormRule
 from keras_tapeops.privacy.rules import Context
 from keras_tapeops.privacy.rules import Part
+from keras_tapeops.privacy.rules import finite_or_zero
 from keras_tapeops.privacy.rules import registered_rules
 from keras_tapeops.privacy.vectorized import VectorizedRule
 from keras_tapeops.privacy.vectorized import rows_parts
@@ -381,7 +382,7 @@ class _BackwardPass:
                 grads.append(self.flat_grads[position : position + len(record["z"])])
                 position += len(record["z"])
             kept = self.first_parts.get(id(site))
-            if sanitize and kept and all(p.rows is not None and p.row_local for p in kept.values()):
+            if sanitize and kept and all(p.cleanable for p in kept.values()):
                 # Row-local parts: a non-finite example's entries are in its
                 # own rows (and make its norm non-finite), so the rows are
                 # cleaned instead of running the rule on zeroed records, and
@@ -394,7 +395,7 @@ class _BackwardPass:
                 )
                 finite_rows.extend(_finite_rows(g) for gz in grads for g in _floating(gz))
                 records = [_zeroed_record(record) for record in records]
-                grads = [[_finite_or_zero(g) for g in gz] for gz in grads]
+                grads = [[finite_or_zero(g) for g in gz] for gz in grads]
                 site_parts = site.rule.clip(site, records, grads, context)
             else:
                 site_parts = self.first_parts[id(site)] = site.rule.clip(
@@ -495,21 +496,12 @@ def _zeroed_if_nonfinite(data, all_finite):
         zeroed = tf.cond(
             all_finite,
             lambda: [tf.identity(t) for t in picked],
-            lambda: [_finite_or_zero(t) for t in picked],
+            lambda: [finite_or_zero(t) for t in picked],
         )
         for i, tensor, before in zip(dense, zeroed, picked):
             flat[i] = tf.ensure_shape(tensor, before.shape)
-    flat = [_finite_or_zero(t) if isinstance(t, tf.RaggedTensor) else t for t in flat]
+    flat = [finite_or_zero(t) if isinstance(t, tf.RaggedTensor) else t for t in flat]
     return tf.nest.pack_sequence_as(data, flat)
-
-
-def _finite_or_zero(tensor):
-    """`tensor` with its non-finite entries replaced by zeros."""
-    if isinstance(tensor, tf.RaggedTensor):
-        return tensor.with_flat_values(_finite_or_zero(tensor.flat_values))
-    if not tensor.dtype.is_floating:
-        return tensor
-    return tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
 
 
 def _zeroed_record(record):
@@ -520,7 +512,7 @@ def _zeroed_record(record):
     """
     if not _floating([record.get("a")]):
         return record
-    return {**record, "a": _finite_or_zero(record["a"])}
+    return {**record, "a": finite_or_zero(record["a"])}
 
 
 def _check_added_losses(model):

@@ -115,10 +115,7 @@ class ConvRule:
             )
 
         if keep_rows:
-            rows = results[1]
-            part = Part(
-                squared, lambda c: from_rows(rows, c), method, rows=rows, from_rows=from_rows
-            )
+            part = Part.of_rows(squared, results[1], from_rows, method)
         else:
             part = Part(squared, weighted, method)
         parts = {id(kernel): part}

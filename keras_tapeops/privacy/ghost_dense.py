@@ -144,14 +144,7 @@ def per_example_part(
         summed = tf.reshape(tf.linalg.matvec(flat, c, transpose_a=True), shape)
         return summed if finish is None else finish(summed)
 
-    return Part(
-        squared,
-        lambda c: from_rows(flat, c),
-        method,
-        rows=flat,
-        from_rows=from_rows,
-        row_local=row_local,
-    )
+    return Part.of_rows(squared, flat, from_rows, method, row_local)
 
 
 def positions(tensor, features):

@@ -34,6 +34,7 @@ from keras_tapeops.privacy.ghost_dense import matmul_parts
 from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.ghost_dense import positions
 from keras_tapeops.privacy.ghost_dense import static_product
+from keras_tapeops.privacy.rules import finite_or_zero
 from keras_tapeops.privacy.rules import first_input
 from keras_tapeops.privacy.rules import float32
 from keras_tapeops.privacy.rules import pre_activation_forward
@@ -115,7 +116,7 @@ class SeparableConvRule:
         for record in records:
             d = _positions(layer, record["z"][0])
             if context.sanitize:  # the engine cleans `a`, not what it recorded in `z`
-                d = tf.where(tf.math.is_finite(d), d, tf.zeros_like(d))
+                d = finite_or_zero(d)
             intermediate.append(d)
         d = tf.concat(intermediate, axis=1)
         g_d = tf.concat([_positions(layer, gz[0]) for gz in grads], axis=1)

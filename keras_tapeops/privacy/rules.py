@@ -70,6 +70,48 @@ class Part:
         self.from_rows = from_rows
         self.row_local = row_local
 
+    @classmethod
+    def of_rows(
+        cls,
+        squared_norms: tf.Tensor,
+        rows: tf.Tensor,
+        from_rows: Callable[[tf.Tensor, tf.Tensor], Gradient],
+        method: str,
+        row_local: bool = True,
+    ) -> "Part":
+        """A `Part` whose clipped sum is `from_rows(rows, c)`.
+
+        Args:
+            squared_norms: `[B]` float32 per-example squared norms.
+            rows: `[B, ...]` per-example gradients.
+            from_rows: callable `(rows, c) -> gradient`.
+            method: the name shown in the report.
+            row_local: see the class's arguments.
+
+        Returns:
+            The `Part`, with `rows` and `from_rows` set.
+
+        Example:
+        ```python
+        part = kt.privacy.Part.of_rows(
+            tf.ones([4]), tf.ones([4, 3]), lambda rows, c: tf.linalg.matvec(rows, c, True), "rows"
+        )
+        ```
+        """
+        return cls(
+            squared_norms,
+            lambda c: from_rows(rows, c),
+            method,
+            rows=rows,
+            from_rows=from_rows,
+            row_local=row_local,
+        )
+
+    @property
+    def cleanable(self) -> bool:
+        """Whether `sanitized` can clean this part's rows (it has row-local rows)."""
+        return self.rows is not None and self.from_rows is not None and self.row_local
+
     def sanitized(self) -> "Part | None":
         """This part with non-finite rows' entries and norms zeroed; None without rows.
 
@@ -83,14 +125,11 @@ class Part:
         clean = kt.privacy.per_example_part(tf.ones([4, 3]), 1.0, [3]).sanitized()
         ```
         """
-        if self.rows is None or self.from_rows is None or not self.row_local:
-            return None
-        rows = tf.where(tf.math.is_finite(self.rows), self.rows, tf.zeros_like(self.rows))
-        squared = self.squared_norms
-        squared = tf.where(tf.math.is_finite(squared), squared, tf.zeros_like(squared))
         from_rows = self.from_rows
-        return Part(
-            squared, lambda c: from_rows(rows, c), self.method, rows=rows, from_rows=from_rows
+        if from_rows is None or not self.cleanable:
+            return None
+        return Part.of_rows(
+            finite_or_zero(self.squared_norms), finite_or_zero(self.rows), from_rows, self.method
         )
 
 
@@ -113,6 +152,15 @@ class Context:
         self.scale = tf.cast(scale, tf.float32)
         self.jit = jit
         self.sanitize = sanitize
+
+
+def finite_or_zero(tensor):
+    """`tensor` with its non-finite entries replaced by zeros (integer tensors as they are)."""
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.with_flat_values(finite_or_zero(tensor.flat_values))
+    if not tensor.dtype.is_floating:
+        return tensor
+    return tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
 
 
 def float32(tensor):

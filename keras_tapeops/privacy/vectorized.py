@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_tapeops import rows as rows_lib
 from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.rules import finite_or_zero
 from keras_tapeops.privacy.rules import float32
 
 
@@ -76,7 +77,7 @@ def rows_parts(tape, objectives, variables, scale, method, sanitize=False):
     """
     matrix = rows_lib.jacobian_rows(tape, objectives, list(variables), method="pfor")
     if sanitize:
-        matrix = tf.where(tf.math.is_finite(matrix), matrix, tf.zeros_like(matrix))
+        matrix = finite_or_zero(matrix)
     parts = {}
     start = 0
     for variable in variables:
