@@ -78,6 +78,62 @@ def test_micro_batch_gradients_equal_full_batch_gradients(rng):
     np.testing.assert_allclose(y_pred.numpy(), full_pred.numpy(), rtol=1e-6)
 
 
+class BatchSizeRecorder(keras.layers.Layer):
+    """Identity that records the batch size each traced training call sees."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def call(self, x, training=None):
+        if training and not isinstance(x, keras.KerasTensor):
+            self.seen.append(x.shape[0])
+        return x
+
+
+@pytest.mark.parametrize(
+    "n, static, expected",
+    [(12, True, 3), (3, True, 1), (10, True, None), (12, False, None)],
+)
+def test_micro_batch_pass_is_traced_with_a_static_size_when_the_batch_splits_evenly(
+    rng, n, static, expected
+):
+    # Stock Keras traces a step with the batch's static size; the micro-batch
+    # pass does too when every micro-batch has the same size (batch 12 or
+    # 3 with k=4), and with an unknown one otherwise (10 = 2+2+3+3, or an
+    # unknown batch size). Either way the gradients are the whole batch's.
+    recorder = BatchSizeRecorder()
+    model = kt.upgrade(
+        keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+             recorder, keras.layers.Dense(2)]
+        )
+    )
+    model.compile(optimizer="sgd", loss="mse", micro_batches=4)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+
+    @tf.function(input_signature=[tf.TensorSpec([n if static else None, 4]),
+                                  tf.TensorSpec([n if static else None, 2])])
+    def gradients(x, y):
+        return accumulation.micro_batch_gradients(model, x, y, None, 4)[0]
+
+    grads = gradients(x, y)
+    assert recorder.seen == [expected]
+    sizes = accumulation.micro_batch_sizes(n, 4)
+    bounds = np.cumsum([0] + sizes)
+    # The oracle: each micro-batch's own gradient, weighted by its share.
+    oracle = None
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        with tf.GradientTape() as tape:
+            pred = model(x[start:stop], training=True)
+            loss = tf.reduce_mean(tf.square(pred - y[start:stop])) * (stop - start) / n
+        part = tape.gradient(loss, model.trainable_weights)
+        oracle = part if oracle is None else [a + b for a, b in zip(oracle, part)]
+    for g, o in zip(grads, oracle):
+        np.testing.assert_allclose(g.numpy(), o.numpy(), rtol=1e-5, atol=1e-6)
+
+
 class WithUnusedLayer(kt.TapeOpsMixin, keras.Model):
     def __init__(self):
         super().__init__()
