@@ -18,12 +18,13 @@ micro-batches by their sample counts).
 The forward/backward pass is traced once, as a concrete function whose
 outputs say which gradients exist and what the predictions look like; one
 `tf.while_loop` (`parallel_iterations=1`) calls it on each micro-batch in
-turn. Under XLA, whose loops need one shape per loop, the `q`- and
-`(q + 1)`-sized micro-batches run in two loops calling the same function.
-Each loop starts only once the gradients before it are summed: one
-micro-batch's activations are alive at a time. Gradients stay per replica
-(no all-reduce inside the loop); `apply_optimizer_step` all-reduces the sum
-once.
+turn. It is traced with a static micro-batch size when the batch's is static
+and splits evenly, as stock Keras traces its first step with the batch's.
+Under XLA, whose loops need one shape per loop, the `q`- and `(q + 1)`-sized
+micro-batches run in two loops calling the same function. Each loop starts
+only once the gradients before it are summed: one micro-batch's activations
+are alive at a time. Gradients stay per replica (no all-reduce inside the
+loop); `apply_optimizer_step` all-reduces the sum once.
 """
 
 from __future__ import annotations
