@@ -4,7 +4,7 @@
 `_tapeops_training_state` attribute (see `keras_tapeops.saving`): the
 variables of stateful gradient transforms and of the multi-gradient engine,
 keyed by `state.training_state_items()`. The TensorFlow `ModelState` and the
-JAX `JaxModelState` both provide `options`, `variables_bound` and
+JAX `JaxModelState` (and a GAN's players) provide `restorable` and
 `training_state_items()`.
 """
 
@@ -83,8 +83,8 @@ class TrainingState(private.KerasSaveable):
         state = self._state
         if self._pending is None:
             return
-        if state.options.gradient_transforms and not state.variables_bound:
-            return  # bound before the first step; restored then
+        if not state.restorable:
+            return  # its variables are created later (before the first step); restored then
         saved, self._pending = self._pending, None
         skipped = []
         for key, variable in state.training_state_items():

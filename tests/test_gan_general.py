@@ -666,3 +666,53 @@ def test_default_gan_trains_evaluates_and_predicts():
     assert sorted(logs) == ["discriminator_loss", "generator_loss"]
     noise = np.zeros((3, LATENT), "float32")
     np.testing.assert_allclose(gan.predict(noise, verbose=0), gan.generator(noise), atol=1e-6)
+
+
+def _generator_skips():
+    return kt.SkipNonFinite(max_consecutive=10, name="generator_skipped_steps")
+
+
+def _players_state(gan):
+    return {key: float(v.numpy())
+            for key, v in gan._tapeops_training_state._state.training_state_items()}
+
+
+def _gan_skipping_nan_updates(discriminator_transforms):
+    gan = kt.GAN(mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator"), latent_dim=LATENT)
+    gan.compile(generator_optimizer=adam(), discriminator_optimizer=adam(),
+                generator_gradient_transforms=[_generator_skips()],
+                discriminator_gradient_transforms=discriminator_transforms)
+    return gan
+
+
+def test_players_transform_state_is_saved_and_restored(tmp_path):
+    # Real points that are all NaN: every discriminator update is skipped
+    # (the generator's loss sees only fakes, so its updates are not).
+    gan = _gan_skipping_nan_updates([kt.ClipByNorm(1.0), kt.SkipNonFinite(max_consecutive=10, name="generator_skips")])
+    nan = np.full((2 * BATCH, 2), np.nan, "float32")
+    gan.fit(nan, batch_size=BATCH, epochs=1, verbose=0)
+    saved = {"generator.0.SkipNonFinite.consecutive_skips": 0.0,
+             "discriminator.1.SkipNonFinite.consecutive_skips": 2.0}
+    assert _players_state(gan) == saved
+    gan.save(str(tmp_path / "gan.keras"))
+    assert "_tapeops_training_state" not in [w.path.split("/")[0] for w in gan.weights]
+
+    loaded = keras.models.load_model(str(tmp_path / "gan.keras"))
+    assert _players_state(loaded) == saved
+    loaded.fit(nan[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert _players_state(loaded)["discriminator.1.SkipNonFinite.consecutive_skips"] == 3.0
+
+    # Loaded before compile(): restored when compile() binds the transforms.
+    uncompiled = keras.models.load_model(str(tmp_path / "gan.keras"), compile=False)
+    uncompiled.compile(generator_optimizer=adam(), discriminator_optimizer=adam(),
+                       generator_gradient_transforms=[_generator_skips()],
+                       discriminator_gradient_transforms=[
+                           kt.ClipByNorm(1.0), kt.SkipNonFinite(max_consecutive=10)])
+    assert _players_state(uncompiled) == saved
+
+    # Other transforms: what matches by key is restored, the rest is named.
+    other = _gan_skipping_nan_updates([kt.SkipNonFinite(max_consecutive=10)])
+    with pytest.warns(UserWarning, match=r"discriminator\.1\.SkipNonFinite\.consecutive_skips"):
+        other.load_weights(str(tmp_path / "gan.keras"))
+    assert _players_state(other) == {"generator.0.SkipNonFinite.consecutive_skips": 0.0,
+                                     "discriminator.0.SkipNonFinite.consecutive_skips": 0.0}

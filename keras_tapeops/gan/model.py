@@ -30,6 +30,8 @@ from keras_tapeops.gan import losses
 from keras_tapeops.gan.penalties import DiscriminatorPenalty
 from keras_tapeops.registration import register
 from keras_tapeops.registration import serialize_all
+from keras_tapeops.training_state import TrainingState
+from keras_tapeops.training_state import transform_state_items
 from keras_tapeops.transforms.base import GradientTransform
 from keras_tapeops.typing_aliases import Nested
 
@@ -147,6 +149,10 @@ class GAN(_Step, keras.Model):
         self._bound_generator_transforms = ()
         setattr(self, f"_{role}_transforms", ())
         setattr(self, f"_bound_{role}_transforms", ())
+        # Both players' transform state (`kt.SkipNonFinite`'s count...): saved
+        # by `save`/`save_weights` (so `BackupAndRestore`) under this entry,
+        # as a `TapeOpsMixin` model saves its transforms'; not in `weights`.
+        self._tapeops_training_state = TrainingState(_PlayersTransformState(self))
         self._build_submodels()
 
     # The second player under its generic name (WGANGP stores it as `critic`).
@@ -273,6 +279,7 @@ class GAN(_Step, keras.Model):
         setattr(self, f"_bound_{role}_transforms", discriminator_bound)
         self._gan_compile_kwargs = dict(kwargs)
         self._gan_compiled()
+        self._tapeops_training_state.restore_pending()  # a file loaded before compile()
 
     def _public_name(self):
         """The class named in messages: the first package class in the MRO."""
@@ -530,3 +537,35 @@ def _loss_scaled(optimizer, name):
     if private.is_loss_scale_optimizer(optimizer):
         return optimizer
     return keras.optimizers.LossScaleOptimizer(optimizer, name=f"{name}_loss_scale_optimizer")
+
+
+class _PlayersTransformState:
+    """What `TrainingState` reads of a GAN: its players' bound transforms.
+
+    Keys are `"generator.<key>"` and `"<role>.<key>"`, with the keys of
+    `training_state.transform_state_items`.
+
+    The transforms are bound at `compile()` (`load_model` compiles before
+    it loads the state); values loaded into an uncompiled GAN are assigned
+    when it is compiled.
+    """
+
+    def __init__(self, gan: GAN) -> None:
+        self._gan = gan
+
+    @property
+    def restorable(self) -> bool:
+        """The transforms are bound by `compile()`: a file loaded before waits for it."""
+        return bool(self._gan.compiled)
+
+    def training_state_items(self) -> list[tuple[str, Any]]:
+        gan = self._gan
+        players = (
+            ("generator", gan._bound_generator_transforms),
+            (gan._role, getattr(gan, f"_bound_{gan._role}_transforms")),
+        )
+        return [
+            (f"{player}.{key}", variable)
+            for player, bound in players
+            for key, variable in transform_state_items(bound)
+        ]
