@@ -37,6 +37,9 @@ import tensorflow as tf  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import without_autotune  # noqa: E402
+
 TASKS, INNER_LR = 25, 0.01
 
 
@@ -60,7 +63,7 @@ def sinusoid_dataset(meta_batches, shots, seed=0):
     sy, qy = amplitude * np.sin(sx - phase), amplitude * np.sin(qx - phase)
     arrays = [a.astype("float32") for a in (sx, sy, qx, qy)]
     data = tf.data.Dataset.from_tensor_slices(((arrays[0], arrays[1], arrays[2]), arrays[3]))
-    return data.batch(TASKS, drop_remainder=True).cache()
+    return without_autotune(data.batch(TASKS, drop_remainder=True).cache())
 
 
 class HandMAML(keras.Model):

@@ -35,6 +35,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator statistics; before TensorFlow loads
 
 from common import interleaved  # noqa: E402
+from common import without_autotune  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -114,7 +115,9 @@ def candidates(k):
     x = rng.normal(size=(N, FEATURES)).astype("float32")
     y = {f"t{j}": rng.normal(size=(N, 1)).astype("float32") for j in range(k)}
     loss = {name: "mse" for name in y}
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache().prefetch(2)
+    data = without_autotune(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache().prefetch(2)
+    )
     fits = {}
     xb = tf.constant(x[:BATCH])
     yb = {name: tf.constant(values[:BATCH]) for name, values in y.items()}

@@ -67,6 +67,7 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved  # noqa: E402
 from common import time_call  # noqa: E402
+from common import without_autotune  # noqa: E402
 from tensor_memory import live_tensor_peak  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
@@ -147,7 +148,7 @@ def build(kind, config):
         method = "vectorized" if config == "vectorized" else "auto"
         dp = kt.DPSGD(1.0, sigma, seed=0, method=method)
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, differential_privacy=dp)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
+    data = without_autotune(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache())
     model.fit(data, epochs=1, verbose=0)  # traces, and fills the cache
     return model, data, x, y
 

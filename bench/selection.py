@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_tapeops as kt  # noqa: E402
-from common import interleaved, report  # noqa: E402
+from common import interleaved, report, without_autotune  # noqa: E402
 
 LR = 0.01
 
@@ -147,10 +147,12 @@ def main():
     x = rng.normal(size=(n, 256)).astype("float32")
     y = rng.integers(0, 10, size=n).astype("int32")
     table = rng.uniform(0.0, 2.0, size=n).astype("float32")
-    plain = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache()
-    with_ids = tf.data.Dataset.from_tensor_slices(
-        ({"x": x, "example_id": np.arange(n, dtype="int32")}, y)
-    ).batch(args.batch).cache()
+    plain = without_autotune(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).cache())
+    with_ids = without_autotune(
+        tf.data.Dataset.from_tensor_slices(
+            ({"x": x, "example_id": np.arange(n, dtype="int32")}, y)
+        ).batch(args.batch).cache()
+    )
 
     def compiled(selection=None, upgrade=True):
         model = kt.upgrade(mlp()) if upgrade else mlp()
