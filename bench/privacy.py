@@ -26,8 +26,10 @@ layer, TF Privacy's vectorized approach).
           every ratio; an epoch of many steps pays it once.) The vectorized fallback
           runs in its own (fewer) rounds against stock, after the others.
           `fastest`: the fastest round's time over stock's fastest (on 2
-          CPU cores a round's time is bimodal, e.g. 40 or 66 ms per DP step
-          and 24 or 34 ms per stock step, whichever config runs).
+          shared CPU cores round times move by a quarter or more). The
+          datasets have tf.data's autotuning off: with it, the end of every
+          `fit` shorter than 1.27 s waited until 1.27 s had passed
+          (`common.without_autotune`).
   memory  `step`: the peak of the tensors alive during one `train_on_batch`
           (the sum of their requested bytes, from the profiler's memory
           events: tensor_memory.py); `total`: that plus what the
