@@ -199,11 +199,6 @@ class ModelState:
         """True once transforms are bound to the model's trainable variables."""
         return self._bound_variables is not None
 
-    @property
-    def restorable(self):
-        """True once the training state's variables exist (loaded values can be assigned)."""
-        return not self.options.gradient_transforms or self.variables_bound
-
 
 def _check_metric_names(transforms, terms, engine=None):
     """Raises if a logged name is taken twice, is "loss", or starts with "val_".

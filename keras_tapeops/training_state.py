@@ -4,8 +4,8 @@
 `_tapeops_training_state` attribute (see `keras_tapeops.saving`): the
 variables of stateful gradient transforms and of the multi-gradient engine,
 keyed by `state.training_state_items()`. The TensorFlow `ModelState` and the
-JAX `JaxModelState` (and a GAN's players) provide `restorable` and
-`training_state_items()`.
+JAX `JaxModelState` both provide `options`, `variables_bound` and
+`training_state_items()`; a GAN's players pass their own `restorable`.
 """
 
 from __future__ import annotations
@@ -55,10 +55,16 @@ class TrainingState(private.KerasSaveable):
 
     Args:
         state: the `ModelState` whose variables this saves.
+        restorable: callable `() -> bool`, whether the state's variables
+            exist yet (loaded values wait until they do). Default: once the
+            state's transforms are bound, or at once without transforms.
     """
 
-    def __init__(self, state):
+    def __init__(self, state, restorable=None):
         self._state = state
+        self._restorable = restorable or (
+            lambda: not state.options.gradient_transforms or state.variables_bound
+        )
         self._pending = None  # loaded before the transforms were bound
 
     def _obj_type(self):
@@ -83,7 +89,7 @@ class TrainingState(private.KerasSaveable):
         state = self._state
         if self._pending is None:
             return
-        if not state.restorable:
+        if not self._restorable():
             return  # its variables are created later (before the first step); restored then
         saved, self._pending = self._pending, None
         skipped = []

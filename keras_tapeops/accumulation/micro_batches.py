@@ -39,6 +39,7 @@ from keras_tapeops.accumulation import reductions
 from keras_tapeops.accumulation import splitting
 from keras_tapeops.accumulation.batch_norm import LargeBatchStatistics
 from keras_tapeops.accumulation.flat import FlatLayout
+from keras_tapeops import split_sizes
 from keras_tapeops.typing_aliases import Gradient
 from keras_tapeops.typing_aliases import Nested
 
@@ -82,7 +83,8 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     data = (x, y, sample_weight)
     if not model.built:
         _build_symbolically(model, x)
-    n = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    n = tf.shape(first)[0]
     n_float = tf.cast(n, tf.float32)
     stats = LargeBatchStatistics(model)
     if model.tapeops_options.batch_norm_updates != "large_batch" or not stats.layers:
@@ -131,7 +133,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
     specs = (
         # XLA's second loop reads (q + 1)-sized micro-batches: no static size.
-        _spec(groups[0][2](0), batch=None if model.jit_compile else _micro_batch_size(x, k)),
+        _spec(groups[0][2](0), batch=None if model.jit_compile else _even_size(first.shape[0], k)),
         tf.TensorSpec([], tf.int32),
         _spec(bn_state, batch=False),
     )
@@ -279,8 +281,8 @@ def _build_symbolically(model, x):
     model(tf.nest.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype.name), x))
 
 
-def _micro_batch_size(x, k):
-    """Every micro-batch's size when the batch's is static and splits evenly, else None.
+def _even_size(n, k):
+    """Every micro-batch's size when the batch's (`n`) is static and splits evenly, else None.
 
     Keras traces the first step with the batch's static size (and the
     last, smaller batch with an unknown one), so a micro-batch pass traced
@@ -289,11 +291,10 @@ def _micro_batch_size(x, k):
     instead of a dozen shape computations each (MobileNetV2: about 800 of
     6700 ops; bench/first_epoch.py).
     """
-    n = next(t for t in tf.nest.flatten(x) if t is not None).shape[0]
     if n is None:
         return None
-    count = max(min(k, n), 1)
-    return n // count if n % count == 0 else None
+    sizes = split_sizes.micro_batch_sizes(n, k)
+    return sizes[0] if sizes[0] == sizes[-1] else None
 
 
 def _spec(structure, batch):

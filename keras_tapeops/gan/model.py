@@ -152,7 +152,9 @@ class GAN(_Step, keras.Model):
         # Both players' transform state (`kt.SkipNonFinite`'s count...): saved
         # by `save`/`save_weights` (so `BackupAndRestore`) under this entry,
         # as a `TapeOpsMixin` model saves its transforms'; not in `weights`.
-        self._tapeops_training_state = TrainingState(_PlayersTransformState(self))
+        self._tapeops_training_state = TrainingState(
+            _PlayersTransformState(self), restorable=lambda: bool(self.compiled)
+        )
         self._build_submodels()
 
     # The second player under its generic name (WGANGP stores it as `critic`).
@@ -322,13 +324,21 @@ class GAN(_Step, keras.Model):
     def metrics(self) -> list[keras.metrics.Metric]:
         return self._trackers() + self._transform_metrics() + self._carried_metrics()
 
+    def _players_bound_transforms(self) -> tuple[tuple[str, Sequence[Any]], ...]:
+        """`(player name, its bound (transform, state) pairs)` for the generator, then the other."""
+        return (
+            ("generator", self._bound_generator_transforms),
+            (self._role, getattr(self, f"_bound_{self._role}_transforms")),
+        )
+
     def _transform_metrics(self) -> list[keras.metrics.Metric]:
         """What the players' transforms log in training (`kt.LogGradientNorm`, ...)."""
-        players = (
-            self._bound_generator_transforms,
-            getattr(self, f"_bound_{self._role}_transforms"),
-        )
-        return [m for bound in players for _, state in bound for m in state.metrics.values()]
+        return [
+            m
+            for _, bound in self._players_bound_transforms()
+            for _, state in bound
+            for m in state.metrics.values()
+        ]
 
     def _check_logged_names(self, bound: Sequence[Sequence[Any]]) -> None:
         """Refuses two logs under one name (a transform's metric and a loss, or two players')."""
@@ -547,25 +557,16 @@ class _PlayersTransformState:
 
     The transforms are bound at `compile()` (`load_model` compiles before
     it loads the state); values loaded into an uncompiled GAN are assigned
-    when it is compiled.
+    when it is compiled (the GAN's `TrainingState` is restorable once
+    compiled).
     """
 
     def __init__(self, gan: GAN) -> None:
         self._gan = gan
 
-    @property
-    def restorable(self) -> bool:
-        """The transforms are bound by `compile()`: a file loaded before waits for it."""
-        return bool(self._gan.compiled)
-
     def training_state_items(self) -> list[tuple[str, Any]]:
-        gan = self._gan
-        players = (
-            ("generator", gan._bound_generator_transforms),
-            (gan._role, getattr(gan, f"_bound_{gan._role}_transforms")),
-        )
         return [
             (f"{player}.{key}", variable)
-            for player, bound in players
+            for player, bound in self._gan._players_bound_transforms()
             for key, variable in transform_state_items(bound)
         ]

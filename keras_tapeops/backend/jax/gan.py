@@ -372,11 +372,12 @@ class JaxGANStep:
             (self.generator, self._discriminator),
         )
         seed = keras.random.randint((), 0, 2**31 - 1, seed=keras.random.SeedGenerator())
-        players = (
-            self._bound_generator_transforms,
-            getattr(self, f"_bound_{self._role}_transforms"),
-        )
-        carried = [v for bound in players for _, state in bound for v in state.variables.values()]
+        carried = [
+            v
+            for _, bound in self._players_bound_transforms()
+            for _, state in bound
+            for v in state.variables.values()
+        ]
         object.__setattr__(self, "_tapeops_noise", _Noise(int(seed), carried))
 
     def _carried_metrics(self) -> list[Any]:

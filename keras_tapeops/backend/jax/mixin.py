@@ -157,11 +157,6 @@ class JaxModelState:
         """True once the transforms are bound to the model's trainable variables."""
         return self._bound_to is not None
 
-    @property
-    def restorable(self) -> bool:
-        """True once the training state's variables exist (loaded values can be assigned)."""
-        return not self.options.gradient_transforms or self.variables_bound
-
     def training_state_items(self) -> list[tuple[str, keras.Variable]]:
         """`(key, variable)` of the transforms' training state, keyed as on TensorFlow.
 
