@@ -9,10 +9,11 @@ of its pre-activation output, task k's kernel gradient is `A^T G_k`, and
 so the Gramian needs the `N x N` matrix `A A^T` and K products with it
 (`N^2 P + K N^2 O` multiply-adds) where the rows cost `K N P O` plus
 `K^2 P O` for their Gramian. Each layer takes the cheaper of the two for
-the batch at hand (the rows are then formed for that layer only, and freed
-once their Gramian is taken). The bias rows are `sum_n G_k` (small). The
-aggregated gradient is `A^T (sum_k w_k G_k)`: one matmul, as in a stock
-backward pass, instead of K kernel gradients and their weighted sum.
+the batch at hand (the rows are then formed for that layer only, and their
+weighted sum is the layer's aggregated kernel gradient). The bias rows are `sum_n G_k` (small). The
+aggregated gradient is `A^T (sum_k w_k G_k)` where the Gramian was taken
+without the rows: one matmul, as in a stock backward pass, instead of K
+kernel gradients and their weighted sum.
 
 The per-task gradients of the pre-activation outputs come from one
 backward pass per task that stops at those outputs (no weight gradient is
@@ -283,6 +284,8 @@ class _KernelLayer:
         self.g = g
         self.kernel_from_matrix = kernel_from_matrix
         self.bias_rows = bias_rows
+        self.ghost = None  # set by `gramian`: whether the kernel's Gramian skipped its rows
+        self.kernel_rows = None  # `[K, P, O]` where the rows were formed, else `[K, 0, O]`
 
     def gramian(self) -> tf.Tensor:
         """`[K, K]`: the kernel's Gramian (ghost or rows, the cheaper) plus the bias's."""
@@ -294,27 +297,44 @@ class _KernelLayer:
 
         def ghost():  # <G_k, (A A^T) G_j>: K products with the N x N matrix
             m = tf.matmul(a, a, transpose_b=True)
-            return inner_products(g, tf.matmul(m[tf.newaxis], g))
+            return inner_products(g, tf.matmul(m[tf.newaxis], g)), tf.zeros([k, 0, o])
 
-        def rows():  # the K kernel gradients A^T G_k, freed after this
+        def rows():  # the K kernel gradients A^T G_k, kept for `combine`
             j = tf.matmul(a[tf.newaxis], g, transpose_a=True)
-            return inner_products(j, j)
+            return inner_products(j, j), j
 
         gramian = tf.zeros([k, k])
         if id(self.layer.kernel) in self.ids:
-            gramian = tf.cond(ghost_is_cheaper(tf.shape(a)[0], p, k, o), ghost, rows)
+            self.ghost = ghost_is_cheaper(tf.shape(a)[0], p, k, o)
+            gramian, self.kernel_rows = tf.cond(self.ghost, ghost, rows)
         bias = self.layer.bias
         if bias is not None and id(bias) in self.ids:
             gramian += tf.matmul(self.bias_rows, self.bias_rows, transpose_b=True)
         return gramian
 
     def combine(self, weights) -> dict[int, tf.Tensor]:
-        """`id(variable) -> sum_k w_k d L_k / d variable` for this layer's variables."""
-        weighted = tf.tensordot(weights, self.g, 1)  # [N, O]
+        """`id(variable) -> sum_k w_k d L_k / d variable` for this layer's variables.
+
+        Where the kernel's rows were formed for the Gramian, their weighted
+        sum (`K P O` multiply-adds); else `A^T (sum_k w_k G_k)` (`N P O`).
+        """
         out = {}
         kernel, bias = self.layer.kernel, self.layer.bias
         if id(kernel) in self.ids:
-            out[id(kernel)] = self.kernel_from_matrix(tf.matmul(self.a, weighted, transpose_a=True))
+
+            def from_outputs():
+                weighted = tf.tensordot(weights, self.g, 1)  # [N, O]
+                return tf.matmul(self.a, weighted, transpose_a=True)
+
+            def from_rows():
+                return tf.reshape(tf.tensordot(weights, self.kernel_rows, 1), kernel_matrix_shape)
+
+            kernel_matrix_shape = [self.a.shape[-1], self.g.shape[-1]]
+            if self.ghost is None:  # `gramian` was not asked for
+                matrix = from_outputs()
+            else:
+                matrix = tf.cond(self.ghost, from_outputs, from_rows)
+            out[id(kernel)] = self.kernel_from_matrix(matrix)
         if bias is not None and id(bias) in self.ids:
             out[id(bias)] = tf.reshape(tf.tensordot(weights, self.bias_rows, 1), bias.shape)
         return out
