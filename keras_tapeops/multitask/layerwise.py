@@ -9,11 +9,11 @@ of its pre-activation output, task k's kernel gradient is `A^T G_k`, and
 so the Gramian needs the `N x N` matrix `A A^T` and K products with it
 (`N^2 P + K N^2 O` multiply-adds) where the rows cost `K N P O` plus
 `K^2 P O` for their Gramian. Each layer takes the cheaper of the two for
-the batch at hand (the rows are then formed for that layer only, and their
-weighted sum is the layer's aggregated kernel gradient). The bias rows are `sum_n G_k` (small). The
-aggregated gradient is `A^T (sum_k w_k G_k)` where the Gramian was taken
-without the rows: one matmul, as in a stock backward pass, instead of K
-kernel gradients and their weighted sum.
+the batch at hand. The bias rows are `sum_n G_k` (small). The aggregated
+kernel gradient is `A^T (sum_k w_k G_k)` where the Gramian was taken
+without the rows (one matmul, as in a stock backward pass, instead of K
+kernel gradients and their weighted sum), and the rows' weighted sum where
+they were formed (for that layer only, kept until the weights are known).
 
 The per-task gradients of the pre-activation outputs come from one
 backward pass per task that stops at those outputs (no weight gradient is
