@@ -62,7 +62,9 @@ def data(steps):
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA
     )
-    return (
+    from common import without_autotune
+
+    return without_autotune(
         tf.data.Dataset.from_tensor_slices((x, y))
         .batch(GLOBAL_BATCH)
         .cache()
