@@ -29,6 +29,12 @@ def _save(out, name, gan, history):
     np.savez(out / f"{name}.npz", **arrays)
 
 
+def _players_state(gan):
+    """The players' transform state the GAN saves: key -> value."""
+    items = gan._tapeops_training_state._state.training_state_items()
+    return {key: float(np.asarray(value)) for key, value in items}
+
+
 def hand_written_hinge_loop(x):
     """The seed-style JAX loop for `hinge_gan()`: `jax.grad` per player, SGD, jitted."""
     generator, critic = networks(seed=12)
@@ -118,6 +124,24 @@ def gan_cases(out, report):
     if tf_file.exists():
         continued = keras.saving.load_model(tf_file)
         _save(out, "gan_tf_file_continued", continued, fit_gan(continued, x, epochs=1))
+
+    # The players' transform state is saved with the weights: SkipNonFinite's
+    # count of consecutive skipped updates goes on after a reload.
+    generator, critic = networks(seed=16)
+    gan = kt.GAN(generator, critic, latent_dim=2)
+    gan.compile(
+        generator_optimizer="sgd",
+        discriminator_optimizer="sgd",
+        discriminator_gradient_transforms=[kt.SkipNonFinite()],  # no stop on JAX (refused)
+    )
+    nan = np.full((2 * GAN_BATCH, 2), np.nan, "float32")  # every real batch non-finite
+    fit_gan(gan, nan, epochs=1)
+    report["gan_skips_saved"] = _players_state(gan)
+    gan.save(out / "gan_skips.keras")
+    loaded = keras.saving.load_model(out / "gan_skips.keras")
+    report["gan_skips_loaded"] = _players_state(loaded)
+    fit_gan(loaded, nan[:GAN_BATCH], epochs=1)
+    report["gan_skips_continued"] = _players_state(loaded)
 
     # The default noise: keyed by the model's seed and step, so a run repeats.
     runs = []

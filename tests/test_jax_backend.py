@@ -968,6 +968,23 @@ def test_gan_files_cross_backends(runs, tf_gans, tmp_path):
     assert _max_diff(continued.get_weights(), uninterrupted) <= 1e-5
 
 
+def test_gan_players_transform_state_is_saved_and_restored(runs):
+    # As test_gan_general's TensorFlow test: every discriminator update of two
+    # all-NaN batches is skipped, the count survives a reload on JAX and goes
+    # on (2 -> 3), and the JAX file continues the count on TensorFlow too.
+    out, _ = runs
+    report = json.loads((out / "report.json").read_text())
+    key = "discriminator.0.SkipNonFinite.consecutive_skips"
+    assert report["gan_skips_saved"] == report["gan_skips_loaded"] == {key: 2.0}
+    assert report["gan_skips_continued"] == {key: 3.0}
+    on_tensorflow = keras.saving.load_model(out / "gan_skips.keras")
+    state = on_tensorflow._tapeops_training_state._state.training_state_items()
+    assert {k: float(v.numpy()) for k, v in state} == {key: 2.0}
+    fit_gan(on_tensorflow, np.full((4, 2), np.nan, "float32"), epochs=1)
+    state = on_tensorflow._tapeops_training_state._state.training_state_items()
+    assert {k: float(v.numpy()) for k, v in state} == {key: 3.0}
+
+
 def test_gan_default_noise_and_refusals(runs):
     out, _ = runs
     report = json.loads((out / "report.json").read_text())
