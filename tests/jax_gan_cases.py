@@ -18,6 +18,7 @@ from jax_gan_models import (
     fit_gan,
     hinge_gan,
     networks,
+    players_state,
     points,
     r1_gan,
 )
@@ -27,12 +28,6 @@ def _save(out, name, gan, history):
     arrays = {f"w{i}": w for i, w in enumerate(gan.get_weights())}
     arrays.update({f"h_{k}": np.asarray(v) for k, v in history.items()})
     np.savez(out / f"{name}.npz", **arrays)
-
-
-def _players_state(gan):
-    """The players' transform state the GAN saves: key -> value."""
-    items = gan._tapeops_training_state._state.training_state_items()
-    return {key: float(np.asarray(value)) for key, value in items}
 
 
 def hand_written_hinge_loop(x):
@@ -136,12 +131,12 @@ def gan_cases(out, report):
     )
     nan = np.full((2 * GAN_BATCH, 2), np.nan, "float32")  # every real batch non-finite
     fit_gan(gan, nan, epochs=1)
-    report["gan_skips_saved"] = _players_state(gan)
+    report["gan_skips_saved"] = players_state(gan)
     gan.save(out / "gan_skips.keras")
     loaded = keras.saving.load_model(out / "gan_skips.keras")
-    report["gan_skips_loaded"] = _players_state(loaded)
+    report["gan_skips_loaded"] = players_state(loaded)
     fit_gan(loaded, nan[:GAN_BATCH], epochs=1)
-    report["gan_skips_continued"] = _players_state(loaded)
+    report["gan_skips_continued"] = players_state(loaded)
 
     # The default noise: keyed by the model's seed and step, so a run repeats.
     runs = []

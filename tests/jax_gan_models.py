@@ -167,6 +167,12 @@ def compared_cases():
     ]
 
 
+def players_state(gan):
+    """The players' transform state a GAN saves, key -> value (either backend)."""
+    items = gan._tapeops_training_state._state.training_state_items()
+    return {key: float(np.asarray(value)) for key, value in items}
+
+
 def fit_gan(gan, x, y=None, epochs=GAN_EPOCHS):
     return gan.fit(
         x, y, batch_size=GAN_BATCH, epochs=epochs, shuffle=False, verbose=0

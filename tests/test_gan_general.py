@@ -18,6 +18,7 @@ from gan_oracle import SeededGAN
 from gan_oracle import hand_written_loop
 from gan_oracle import seeded_normal
 from gan_oracle import seeded_uniform
+from jax_gan_models import players_state
 
 SIZE, LATENT, CLASSES, BATCH = 8, 4, 3, 8
 
@@ -672,11 +673,6 @@ def _generator_skips():
     return kt.SkipNonFinite(max_consecutive=10, name="generator_skipped_steps")
 
 
-def _players_state(gan):
-    return {key: float(v.numpy())
-            for key, v in gan._tapeops_training_state._state.training_state_items()}
-
-
 def _gan_skipping_nan_updates(discriminator_transforms):
     gan = kt.GAN(mlp(LATENT, 2, "generator"), mlp(2, 1, "discriminator"), latent_dim=LATENT)
     gan.compile(generator_optimizer=adam(), discriminator_optimizer=adam(),
@@ -693,14 +689,14 @@ def test_players_transform_state_is_saved_and_restored(tmp_path):
     gan.fit(nan, batch_size=BATCH, epochs=1, verbose=0)
     saved = {"generator.0.SkipNonFinite.consecutive_skips": 0.0,
              "discriminator.1.SkipNonFinite.consecutive_skips": 2.0}
-    assert _players_state(gan) == saved
+    assert players_state(gan) == saved
     gan.save(str(tmp_path / "gan.keras"))
     assert "_tapeops_training_state" not in [w.path.split("/")[0] for w in gan.weights]
 
     loaded = keras.models.load_model(str(tmp_path / "gan.keras"))
-    assert _players_state(loaded) == saved
+    assert players_state(loaded) == saved
     loaded.fit(nan[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
-    assert _players_state(loaded)["discriminator.1.SkipNonFinite.consecutive_skips"] == 3.0
+    assert players_state(loaded)["discriminator.1.SkipNonFinite.consecutive_skips"] == 3.0
 
     # Loaded before compile(): restored when compile() binds the transforms.
     uncompiled = keras.models.load_model(str(tmp_path / "gan.keras"), compile=False)
@@ -708,11 +704,11 @@ def test_players_transform_state_is_saved_and_restored(tmp_path):
                        generator_gradient_transforms=[_generator_skips()],
                        discriminator_gradient_transforms=[
                            kt.ClipByNorm(1.0), kt.SkipNonFinite(max_consecutive=10)])
-    assert _players_state(uncompiled) == saved
+    assert players_state(uncompiled) == saved
 
     # Other transforms: what matches by key is restored, the rest is named.
     other = _gan_skipping_nan_updates([kt.SkipNonFinite(max_consecutive=10)])
     with pytest.warns(UserWarning, match=r"discriminator\.1\.SkipNonFinite\.consecutive_skips"):
         other.load_weights(str(tmp_path / "gan.keras"))
-    assert _players_state(other) == {"generator.0.SkipNonFinite.consecutive_skips": 0.0,
+    assert players_state(other) == {"generator.0.SkipNonFinite.consecutive_skips": 0.0,
                                      "discriminator.0.SkipNonFinite.consecutive_skips": 0.0}

@@ -321,19 +321,17 @@ class _KernelLayer:
         out = {}
         kernel, bias = self.layer.kernel, self.layer.bias
         if id(kernel) in self.ids:
+            matrix_shape = [self.a.shape[-1], self.g.shape[-1]]
 
             def from_outputs():
                 weighted = tf.tensordot(weights, self.g, 1)  # [N, O]
                 return tf.matmul(self.a, weighted, transpose_a=True)
 
             def from_rows():
-                return tf.reshape(tf.tensordot(weights, self.kernel_rows, 1), kernel_matrix_shape)
+                return tf.reshape(tf.tensordot(weights, self.kernel_rows, 1), matrix_shape)
 
-            kernel_matrix_shape = [self.a.shape[-1], self.g.shape[-1]]
-            if self.ghost is None:  # `gramian` was not asked for
-                matrix = from_outputs()
-            else:
-                matrix = tf.cond(self.ghost, from_outputs, from_rows)
+            # `gramian()` ran first (`task_gramian`) and chose between the two.
+            matrix = tf.cond(self.ghost, from_outputs, from_rows)
             out[id(kernel)] = self.kernel_from_matrix(matrix)
         if bias is not None and id(bias) in self.ids:
             out[id(bias)] = tf.reshape(tf.tensordot(weights, self.bias_rows, 1), bias.shape)
