@@ -23,18 +23,25 @@ every step ("UPGrad (rows)": what replicas and accumulation use).
 Also prints each candidate's step memory: TensorFlow's CPU allocator peak
 during one `train_on_batch` above what was allocated before it (MiB), per K.
 
-Run: python bench/multi_task.py [--rounds 5] [--ks 2 4 8]  (several minutes on 2 cores)
+`--clock cpu --statistic median` (with 15 or more rounds) reads the process's
+CPU time and the median of the per-round ratios: steadier than the fastest
+wall-clock rounds when other jobs share the machine, for targets within a few
+percent (UPGrad at K = 2).
+
+Run: python bench/multi_task.py [--rounds 5] [--ks 2 4 8] [--methods UPGrad]
+     [--clock wall|cpu] [--statistic fastest|median]  (several minutes on 2 cores)
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator statistics; before TensorFlow loads
 
-from common import interleaved  # noqa: E402
+from common import interleaved_wall_and_cpu  # noqa: E402
 from common import without_autotune  # noqa: E402
 
 import keras  # noqa: E402
@@ -151,12 +158,30 @@ def candidates(k):
     return fits
 
 
+def summary(values, sums, floors, statistic):
+    """`(seconds, x sum, x floor)` of one candidate's rounds, by `statistic`."""
+    if statistic == "fastest":
+        best = min(values)
+        return best, best / min(sums), best / min(floors)
+    return (
+        statistics.median(values),
+        statistics.median(v / s for v, s in zip(values, sums)),
+        statistics.median(v / f for v, f in zip(values, floors)),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=None,
                         help="only these methods (the sum and the floor always run)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared "
+                        "machine: time other processes take from it is not counted)")
+    parser.add_argument("--statistic", choices=["fastest", "median"], default="fastest",
+                        help="ratios of the fastest rounds, or the median of the per-round "
+                        "ratios (neighbours in one round share the machine's state)")
     args = parser.parse_args()
     global ONLY
     ONLY = args.methods
@@ -164,13 +189,16 @@ def main():
     memory = {}
     for k in args.ks:
         peaks.clear()
-        times = {name: min(values) for name, values in interleaved(candidates(k), args.rounds).items()}
-        for name, best in times.items():
-            table.setdefault(name, {})[k] = (best, best / times["sum"], best / times["floor"])
+        wall, cpu = interleaved_wall_and_cpu(candidates(k), args.rounds)
+        rounds = wall if args.clock == "wall" else cpu
+        for name, values in rounds.items():
+            table.setdefault(name, {})[k] = summary(values, rounds["sum"], rounds["floor"],
+                                                    args.statistic)
             memory.setdefault(name, {})[k] = peaks[name]
         keras.backend.clear_session()
-    print(f"\ntime per epoch ({N} samples, batch {BATCH}): fastest of {args.rounds} "
-          "interleaved rounds")
+    print(f"\n{args.clock} time per epoch ({N} samples, batch {BATCH}), {args.rounds} "
+          f"interleaved rounds: " + ("fastest rounds" if args.statistic == "fastest" else
+                                     "medians (time; per-round ratios)"))
     header = "".join(f" | K={k}: ms   x sum  x floor" for k in args.ks)
     print(f"{'method':<22}{header}")
     for name, row in table.items():

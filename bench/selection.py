@@ -22,7 +22,10 @@ Each time is the median over interleaved rounds (all traced beforehand), and
 the ratio is the median of the per-round ratios. Target (issue 20): the
 selection `fit` <= 1.05x its floor.
 
-    python bench/selection.py [--rounds 7] [--steps 20] [--batch 320]
+`--clock cpu` reads the process's CPU time instead of wall time: steadier
+when other jobs share the machine (use 15 or more rounds for a 1.05x target).
+
+    python bench/selection.py [--rounds 7] [--steps 20] [--batch 320] [--clock wall|cpu]
 """
 
 import argparse
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_tapeops as kt  # noqa: E402
-from common import interleaved, report, without_autotune  # noqa: E402
+from common import interleaved_wall_and_cpu, report, without_autotune  # noqa: E402
 
 LR = 0.01
 
@@ -140,6 +143,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=320)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared "
+                        "machine: time other processes take from it is not counted)")
     args = parser.parse_args()
 
     n = args.steps * args.batch
@@ -173,8 +179,9 @@ def main():
     for run in candidates.values():  # trace and warm up
         run()
         run()
-    times = interleaved(candidates, args.rounds)
-    print(f"{args.steps} steps of candidate batch {args.batch} "
+    wall, cpu = interleaved_wall_and_cpu(candidates, args.rounds)
+    times = wall if args.clock == "wall" else cpu
+    print(f"{args.clock} time, {args.steps} steps of candidate batch {args.batch} "
           f"(kept: {math.ceil(0.25 * args.batch)} and {math.ceil(0.1 * args.batch)}), "
           f"{args.rounds} rounds; machine: {os.cpu_count()} cores")
     report(times, "stock fit (all candidates)", "of stock fit")

@@ -121,7 +121,8 @@ class MultiGradientState:
     """What one model resolved from a `MultiGradientOption` (its gradient engine).
 
     Attributes:
-        metrics: dict name -> `keras.metrics.Metric`, logged in training.
+        metrics: dict logged name -> `keras.metrics.Metric`, logged in training
+            (a metric whose `result()` is a dict appears under each name it logs).
         variables: list of variables saved as the model's training state.
     """
 

@@ -134,6 +134,14 @@ def _one_loss(loss_fn, y_true, y_pred, sample_weight, name):
         values, weights = _same_rank(values, weights)
         values = values * weights
     values = tf.cast(values, "float32")
+    if values.shape.rank == 1 and (
+        reduction == "sum_over_batch_size"
+        or (reduction == "mean_with_sample_weight" and weights is None)
+    ):
+        # One entry per example and a mean over the batch: the values are
+        # the per-example losses (no `* batch / batch` round trip: about ten
+        # small ops a step, and the last bit of each value).
+        return values
     batch = tf.shape(values)[0]
     row_sums = tf.reduce_sum(tf.reshape(values, [batch, -1]), axis=1)
     n_batch = tf.cast(batch, "float32")

@@ -186,7 +186,10 @@ class ModelState:
     def training_only_metrics(self):
         """Metrics that exist only where an optimizer step runs (not in evaluate)."""
         transform_metrics = [m for _, s in self.transforms or [] for m in s.metrics.values()]
-        engine = list(self.engine.metrics.values()) if self.engine is not None else []
+        # One metric may log several names (its `result()` a dict): listed once.
+        engine = []
+        if self.engine is not None:
+            engine = list(dict.fromkeys(self.engine.metrics.values()))
         return transform_metrics + engine
 
     @property

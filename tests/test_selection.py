@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import keras_tapeops as kt
+from keras_tapeops.selection.base import SelectionDiagnostics
 from tests.selection_oracle import data, select_then_step, tiny_model
 
 
@@ -27,6 +28,8 @@ def test_top_loss_equals_select_then_step_loop():
     assert history.history["selection_fraction"] == [pytest.approx(0.25)]
     kept = history.history["selection_kept_loss"][0]
     assert kept > history.history["selection_batch_loss"][0]
+    # One metric logs the three diagnostics, listed once among the model's metrics.
+    assert sum(isinstance(m, SelectionDiagnostics) for m in ours.metrics) == 1
     # Companion: the stock step (all examples) ends elsewhere.
     stock = tiny_model()
     _fit(stock, x, y)
@@ -86,3 +89,24 @@ def test_loss_with_reduction_none_is_refused_at_the_first_batch():
         model.fit(x, y, batch_size=8, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_selection_diagnostics_equal_three_keras_means():
+    """The fused metric logs what three `keras.metrics.Mean` would, to the bit."""
+    rng = np.random.default_rng(0)
+    ours = SelectionDiagnostics()
+    means = {name: keras.metrics.Mean(name=name) for name in SelectionDiagnostics.NAMES}
+    for present in [1.0, 1.0, 0.0, 1.0, 1.0]:  # an empty batch counts for nothing
+        values = rng.uniform(0.0, 3.0, size=3).astype("float32")
+        ours.update_state(*values, present)
+        for name, value in zip(SelectionDiagnostics.NAMES, values):
+            means[name].update_state(value, sample_weight=present)
+    result = ours.result()
+    assert sorted(result) == sorted(SelectionDiagnostics.NAMES)
+    for name, mean in means.items():
+        assert float(result[name]) == float(mean.result()), name
+    # The check can fail: one more update to the Means alone moves them.
+    means["selection_fraction"].update_state(5.0, sample_weight=1.0)
+    assert float(result["selection_fraction"]) != float(means["selection_fraction"].result())
+    ours.reset_state()
+    assert all(float(v) == 0.0 for v in ours.result().values())

@@ -86,6 +86,39 @@ class SelectionOption(MultiGradientOption):
         return _REASONS.get(name, "both change how one batch becomes one gradient")
 
 
+class SelectionDiagnostics(keras.metrics.Metric):
+    """The three logged selection diagnostics, each the epoch's mean, as one metric.
+
+    `selection_fraction`, `selection_kept_loss` and `selection_batch_loss`
+    are what three `keras.metrics.Mean` would log (the same sums, the same
+    division), from one `[3]` total and one count: two variable updates a
+    step instead of six. On `bench/selection.py`'s ReducibleLoss step, which
+    keeps 32 of 320 candidates, the three Means were about 50 of the step
+    graph's 370 ops and 2-5% of its time. `result()` returns the three by
+    name, which Keras logs as three entries.
+    """
+
+    NAMES = ("selection_fraction", "selection_kept_loss", "selection_batch_loss")
+
+    def __init__(self, name: str = "selection_diagnostics") -> None:
+        super().__init__(name=name)
+        self.totals = self.add_variable(
+            shape=(len(self.NAMES),), initializer="zeros", name="totals"
+        )
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, fraction, kept_loss, batch_loss, present):
+        """Adds one batch's three values, weighted by `present` (0 for an empty batch)."""
+        values = tf.cast(tf.stack([fraction, kept_loss, batch_loss]), self.dtype)
+        present = tf.cast(present, self.dtype)
+        self.totals.assign_add(values * present)
+        self.count.assign_add(present)
+
+    def result(self):
+        means = tf.math.divide_no_nan(self.totals, self.count)
+        return {name: means[i] for i, name in enumerate(self.NAMES)}
+
+
 class SelectionState(MultiGradientState):
     """A model's selection engine (see the module docstring).
 
@@ -109,11 +142,8 @@ class SelectionState(MultiGradientState):
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
             self.variables.append(self.schedule_variable)
-        self.metrics = {
-            "selection_fraction": keras.metrics.Mean(name="selection_fraction"),
-            "selection_kept_loss": keras.metrics.Mean(name="selection_kept_loss"),
-            "selection_batch_loss": keras.metrics.Mean(name="selection_batch_loss"),
-        }
+        self.diagnostics = SelectionDiagnostics()
+        self.metrics = {name: self.diagnostics for name in SelectionDiagnostics.NAMES}
 
     # ---------------------------------------------------------- the method
     def select(self, model, x, y, sample_weight, losses, ids, y_pred):
@@ -176,11 +206,7 @@ class SelectionState(MultiGradientState):
         else:
             share = tf.cast(k, "float32") / tf.cast(tf.maximum(n, 1), "float32")
             kept_loss = _mean_or_zero(kept_losses)
-        self.metrics["selection_fraction"].update_state(share, sample_weight=present)
-        self.metrics["selection_batch_loss"].update_state(
-            _mean_or_zero(losses), sample_weight=present
-        )
-        self.metrics["selection_kept_loss"].update_state(kept_loss, sample_weight=present)
+        self.diagnostics.update_state(share, kept_loss, _mean_or_zero(losses), present)
 
 
 class SelectionContext:

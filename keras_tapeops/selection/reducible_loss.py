@@ -190,17 +190,24 @@ class ReducibleLossState(TopLossState):
         size = int(self.option.irreducible.shape[0])
         ids = tf.cast(ids, "int64")
         valid = tf.logical_and(ids >= 0, ids < size)
-        check = tf.debugging.Assert(
-            tf.reduce_all(valid),
-            [
-                f"kt.ReducibleLoss: every {key} must index the irreducible table, in [0, {size}). "
-                f"Received: {key}=",
-                tf.boolean_mask(ids, tf.logical_not(valid)),
-            ],
-            summarize=20,
-        )
-        with tf.control_dependencies([check]):
-            return tf.identity(tf.cast(ids, "int32"))
+        all_valid = tf.reduce_all(valid)
+        checked = tf.cast(ids, "int32")
+
+        def refuse():
+            # The offending ids are gathered only here, on the failing path.
+            check = tf.debugging.Assert(
+                all_valid,
+                [
+                    f"kt.ReducibleLoss: every {key} must index the irreducible table, "
+                    f"in [0, {size}). Received: {key}=",
+                    tf.boolean_mask(ids, tf.logical_not(valid)),
+                ],
+                summarize=20,
+            )
+            with tf.control_dependencies([check]):
+                return tf.identity(checked)
+
+        return tf.cond(all_valid, lambda: checked, refuse)
 
     def score(self, model, x, y, sample_weight, losses, ids):
         if self.table is not None:
