@@ -110,3 +110,6 @@ def test_selection_diagnostics_equal_three_keras_means():
     assert float(result["selection_fraction"]) != float(means["selection_fraction"].result())
     ours.reset_state()
     assert all(float(v) == 0.0 for v in ours.result().values())
+    # Keras's config round trip (a metric may be serialized with its model).
+    again = SelectionDiagnostics.from_config(ours.get_config())
+    assert again.name == ours.name and again.dtype == ours.dtype

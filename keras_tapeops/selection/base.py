@@ -100,8 +100,8 @@ class SelectionDiagnostics(keras.metrics.Metric):
 
     NAMES = ("selection_fraction", "selection_kept_loss", "selection_batch_loss")
 
-    def __init__(self, name: str = "selection_diagnostics") -> None:
-        super().__init__(name=name)
+    def __init__(self, name: str = "selection_diagnostics", dtype: Any = None) -> None:
+        super().__init__(name=name, dtype=dtype)
         self.totals = self.add_variable(
             shape=(len(self.NAMES),), initializer="zeros", name="totals"
         )
