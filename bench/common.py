@@ -62,6 +62,23 @@ def interleaved_wall_and_cpu(candidates, rounds):
     return wall, cpu
 
 
+def add_clock_argument(parser):
+    """Adds `--clock wall|cpu` (default wall) to an `argparse` parser; see `interleaved_on`."""
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or the process's CPU time (steadier on a shared machine: "
+        "time other processes take from it is not counted)",
+    )
+
+
+def interleaved_on(clock, candidates, rounds):
+    """`interleaved`, read on `clock`: `"wall"` or `"cpu"` (the process's CPU time)."""
+    wall, cpu = interleaved_wall_and_cpu(candidates, rounds)
+    return wall if clock == "wall" else cpu
+
+
 def report(times, baseline, label):
     """Prints the median time of each candidate and its median ratio to `baseline`."""
     base = times[baseline]

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocator statistics; before TensorFlow loads
 
-from common import interleaved_wall_and_cpu  # noqa: E402
+from common import add_clock_argument  # noqa: E402
+from common import interleaved_on  # noqa: E402
 from common import without_autotune  # noqa: E402
 
 import keras  # noqa: E402
@@ -176,9 +177,7 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=None,
                         help="only these methods (the sum and the floor always run)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="wall time, or the process's CPU time (steadier on a shared "
-                        "machine: time other processes take from it is not counted)")
+    add_clock_argument(parser)
     parser.add_argument("--statistic", choices=["fastest", "median"], default="fastest",
                         help="ratios of the fastest rounds, or the median of the per-round "
                         "ratios (neighbours in one round share the machine's state)")
@@ -189,8 +188,7 @@ def main():
     memory = {}
     for k in args.ks:
         peaks.clear()
-        wall, cpu = interleaved_wall_and_cpu(candidates(k), args.rounds)
-        rounds = wall if args.clock == "wall" else cpu
+        rounds = interleaved_on(args.clock, candidates(k), args.rounds)
         for name, values in rounds.items():
             table.setdefault(name, {})[k] = summary(values, rounds["sum"], rounds["floor"],
                                                     args.statistic)

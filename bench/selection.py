@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras_tapeops as kt  # noqa: E402
-from common import interleaved_wall_and_cpu, report, without_autotune  # noqa: E402
+from common import add_clock_argument, interleaved_on, report, without_autotune  # noqa: E402
 
 LR = 0.01
 
@@ -143,9 +143,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=320)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="wall time, or the process's CPU time (steadier on a shared "
-                        "machine: time other processes take from it is not counted)")
+    add_clock_argument(parser)
     args = parser.parse_args()
 
     n = args.steps * args.batch
@@ -179,8 +177,7 @@ def main():
     for run in candidates.values():  # trace and warm up
         run()
         run()
-    wall, cpu = interleaved_wall_and_cpu(candidates, args.rounds)
-    times = wall if args.clock == "wall" else cpu
+    times = interleaved_on(args.clock, candidates, args.rounds)
     print(f"{args.clock} time, {args.steps} steps of candidate batch {args.batch} "
           f"(kept: {math.ceil(0.25 * args.batch)} and {math.ceil(0.1 * args.batch)}), "
           f"{args.rounds} rounds; machine: {os.cpu_count()} cores")
