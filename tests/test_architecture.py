@@ -127,6 +127,49 @@ def test_the_isolation_package_imports_nothing_above_it():
     assert above == []
 
 
+# Packages that read the same per-layer records: what they share sits below both
+# (`layer_records/`), so neither imports the other.
+SIBLINGS = ("keras_tapeops.privacy", "keras_tapeops.multitask")
+SHARED_BELOW = "keras_tapeops.layer_records"
+
+
+def _crossings(graph, siblings=SIBLINGS, below=SHARED_BELOW):
+    """Imports from one sibling into another, or from `below` into either."""
+    def owner(name):
+        return next((p for p in (*siblings, below) if name == p or name.startswith(p + ".")), None)
+
+    return sorted(
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets
+        if owner(source) and owner(target) and owner(source) != owner(target)
+        and owner(target) != below
+    )
+
+
+def test_privacy_and_multitask_share_layer_records_without_importing_each_other():
+    graph = _import_graph()
+    assert _crossings(graph) == []
+    # both do read the shared records
+    for sibling in SIBLINGS:
+        assert any(
+            source.startswith(sibling) and any(t.startswith(SHARED_BELOW) for t in targets)
+            for source, targets in graph.items()
+        ), sibling
+
+
+def test_the_sibling_check_can_fail():
+    graph = {
+        "keras_tapeops.multitask.layerwise": {"keras_tapeops.privacy.sites"},
+        "keras_tapeops.layer_records.sites": {"keras_tapeops.privacy.rules"},
+        "keras_tapeops.privacy.engine": {"keras_tapeops.layer_records.sites"},
+    }
+    assert _crossings(graph) == [
+        ("keras_tapeops.layer_records.sites", "keras_tapeops.privacy.rules"),
+        ("keras_tapeops.multitask.layerwise", "keras_tapeops.privacy.sites"),
+    ]
+
+
 def test_the_checks_find_a_circle_and_an_upward_import(tmp_path):
     """The checks can fail: a package with a circle and an import of the mixin."""
     root = tmp_path / "keras_tapeops"

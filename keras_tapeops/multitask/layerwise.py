@@ -40,17 +40,17 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_tapeops import rows as row_ops
-from keras_tapeops.privacy import sites as sites_lib
-from keras_tapeops.privacy.ghost_dense import DenseRule
-from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
-from keras_tapeops.privacy.ghost_dense import einsum_bias_rows
-from keras_tapeops.privacy.ghost_dense import einsum_inputs
-from keras_tapeops.privacy.ghost_dense import einsum_kernel_from_matrix
-from keras_tapeops.privacy.ghost_dense import einsum_outputs
-from keras_tapeops.privacy.ghost_dense import layout
+from keras_tapeops.layer_records import sites as sites_lib
+from keras_tapeops.layer_records.dense import DenseRecording
+from keras_tapeops.layer_records.dense import EinsumDenseRecording
+from keras_tapeops.layer_records.layouts import einsum_bias_rows
+from keras_tapeops.layer_records.layouts import einsum_inputs
+from keras_tapeops.layer_records.layouts import einsum_kernel_from_matrix
+from keras_tapeops.layer_records.layouts import einsum_outputs
+from keras_tapeops.layer_records.layouts import layout
 
 # The layers whose Gramian is taken from their inputs and output gradients.
-RULES = (DenseRule, EinsumDenseRule)
+RULES = (DenseRecording, EinsumDenseRecording)
 
 
 def dense_sites(model, variables, shared, tree):
@@ -226,7 +226,7 @@ def _kernel_layer(site, inputs, task_grads):
     """
     layer = site.layer
     k = len(task_grads)
-    if site.rule is EinsumDenseRule:
+    if site.rule is EinsumDenseRecording:
         return _einsum_layer(site, inputs, task_grads)
     p, o = layer.kernel.shape
     a = tf.concat([_matrix(x, p) for x in inputs], 0)
@@ -236,7 +236,7 @@ def _kernel_layer(site, inputs, task_grads):
 
 
 def _einsum_layer(site, inputs, task_grads):
-    """An EinsumDense's `[N, C]` inputs and `[K, N, O]` output gradients (`ghost_dense.layout`)."""
+    """An EinsumDense's `[N, C]` inputs and `[K, N, O]` output gradients (`layer_records.layouts`)."""
     layer = site.layer
     pieces_a, pieces_g, bias_rows = [], [[] for _ in task_grads], []
     spec = None

@@ -41,12 +41,12 @@ import tensorflow as tf
 
 from keras_tapeops._keras import private
 from keras_tapeops import true_gradients
+from keras_tapeops.layer_records import sites as sites_lib
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses
 from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy import noise
 from keras_tapeops.privacy import seeds
-from keras_tapeops.privacy import sites as sites_lib
 from keras_tapeops.privacy.ghost_conv import ConvRule
 from keras_tapeops.privacy.ghost_dense import DenseRule
 from keras_tapeops.privacy.ghost_dense import EinsumDenseRule
@@ -73,6 +73,10 @@ AUTO_RULES = (
     GroupNormRule,
 )
 NONFINITE_METRIC = "dp_nonfinite_examples"
+# The report's method for variables read outside their owner's calls
+# (`Recorder.foreign`) or by the model itself: per-example rows of the
+# whole forward pass (`vectorized.rows_parts`).
+GLOBAL = "vectorized (whole model)"
 
 
 class DPSGDState(MultiGradientState):
@@ -318,7 +322,7 @@ class DPSGDState(MultiGradientState):
                 method = self.methods.get(key, f"{site.rule.family}: (chosen at the first step)")
                 rows.append((site.path, variable.name, method))
         for (path, name), method in self.methods.items():
-            if method == sites_lib.GLOBAL:
+            if method == GLOBAL:
                 rows.append((path, name, method))
         return rows
 
@@ -411,11 +415,11 @@ class _BackwardPass:
         if global_variables:
             used = [v for v in global_variables if any(v is t for t in model.trainable_weights)]
             for vid, part in rows_parts(
-                tape, scaled, used, scale, sites_lib.GLOBAL, sanitize=sanitize
+                tape, scaled, used, scale, GLOBAL, sanitize=sanitize
             ).items():
                 parts[vid] = part
             for v in used:
-                engine.methods[("(read outside its layer)", v.path)] = sites_lib.GLOBAL
+                engine.methods[("(read outside its layer)", v.path)] = GLOBAL
         if not parts:
             raise ValueError(
                 "DPSGD found no trainable variable used by the forward pass. "

@@ -18,9 +18,9 @@ import keras
 import tensorflow as tf
 
 from keras_tapeops.privacy.rules import Part
-from keras_tapeops.privacy.rules import float32
-from keras_tapeops.privacy.rules import output_forward
-from keras_tapeops.privacy.rules import stock_call
+from keras_tapeops.layer_records.forwards import float32
+from keras_tapeops.layer_records.forwards import output_forward
+from keras_tapeops.layer_records.forwards import stock_call
 
 GRAM_MAX_POSITIONS = 256
 

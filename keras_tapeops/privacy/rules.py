@@ -27,7 +27,8 @@ from typing import TypeVar
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.sites import Site
+from keras_tapeops.layer_records.forwards import output_forward
+from keras_tapeops.layer_records.sites import Site
 from keras_tapeops.typing_aliases import Gradient
 
 
@@ -161,28 +162,6 @@ def finite_or_zero(tensor):
     if not tensor.dtype.is_floating:
         return tensor
     return tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
-
-
-def float32(tensor):
-    return tf.cast(tensor, tf.float32)
-
-
-def split_activation(layer, original, args, kwargs):
-    """Calls a layer whose `call` ends with `self.activation(x)`, without it.
-
-    Returns `(outputs, z)`: `z` is the pre-activation output (the tensor
-    whose gradient ghost clipping needs) and `outputs = activation(z)`, what
-    the stock call returns.
-    """
-    activation = layer.activation
-    # object.__setattr__: Keras's attribute tracking need not see the swap.
-    object.__setattr__(layer, "activation", None)
-    try:
-        z = original(*args, **kwargs)
-    finally:
-        object.__setattr__(layer, "activation", activation)
-    outputs = activation(z) if activation is not None else z
-    return outputs, z
 
 
 class ClippingRule:
@@ -319,34 +298,3 @@ def register_clipping_rule(rule: _Rule) -> _Rule:
 def registered_rules():
     """The registered rules, most recent first."""
     return tuple(_REGISTERED_RULES)
-
-
-def first_input(args, kwargs):
-    """The first positional argument of a layer call (Keras names it `inputs`)."""
-    return args[0] if args else kwargs["inputs"]
-
-
-def pre_activation_forward(layer, original, args, kwargs):
-    """`forward` of a layer ending in `self.activation`: records its input and pre-activation."""
-    outputs, z = split_activation(layer, original, args, kwargs)
-    return outputs, {"a": first_input(args, kwargs), "z": [z]}
-
-
-def output_forward(layer, original, args, kwargs):
-    """`forward` of a layer without activation: records its input and output."""
-    outputs = original(*args, **kwargs)
-    return outputs, {"a": first_input(args, kwargs), "z": [outputs]}
-
-
-def stock_call(layer, base):
-    """True if `layer` is a `base` running `base`'s own `call` (not overridden), without LoRA."""
-    return (
-        isinstance(layer, base) and type(layer).call is base.call and not _lora_or_quantized(layer)
-    )
-
-
-def _lora_or_quantized(layer):
-    if getattr(layer, "lora_enabled", False):
-        return True
-    policy = getattr(layer, "dtype_policy", None)
-    return getattr(policy, "quantization_mode", None) is not None

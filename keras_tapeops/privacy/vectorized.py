@@ -9,7 +9,7 @@ same tape: the layer is not run again (dropout inside it keeps its mask), and
 only the layer's own backward pass is vectorized. The per-example gradients
 are materialized (`[B, P]` for the layer's P parameters).
 
-Variables read outside their owner's calls (`sites.GLOBAL`) get their rows
+Variables read outside their owner's calls (`engine.GLOBAL`) get their rows
 from the Jacobian of the per-example losses through the whole forward pass.
 """
 
@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras_tapeops import rows as rows_lib
 from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.rules import finite_or_zero
-from keras_tapeops.privacy.rules import float32
+from keras_tapeops.layer_records.forwards import float32
 
 
 class VectorizedRule:

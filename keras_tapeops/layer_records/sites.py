@@ -1,25 +1,26 @@
-"""Where each trainable variable's per-example gradient comes from: its "site".
+"""Where each trainable variable's gradient comes from: its "site".
 
 A site is a layer that directly owns trainable variables (a Dense's kernel
-and bias, an Embedding's table). During DP-SGD's single forward pass every
-site's `call` is wrapped on the instance (Keras 3 has no forward hooks, as in
-`keras_tapeops.capture`): the wrapper records what the site's clipping rule
-needs (the layer's inputs and its pre-activation output `z`, whose gradient
-the backward pass then computes) and returns the layer's usual outputs.
+and bias, an Embedding's table). During one forward pass (DP-SGD's, or the
+multi-task step's) every site's `call` is wrapped on the instance (Keras 3
+has no forward hooks, as in `keras_tapeops.capture`): the wrapper records
+what the site's rule needs (the layer's inputs and its pre-activation output
+`z`, whose gradient the backward pass then computes) and returns the layer's
+usual outputs.
 
 A variable read outside its owner's calls (weights tied to another layer, a
 variable a model reads directly, a layer called inside a loop body such as
-an RNN's cell) cannot be clipped from its owner's inputs
-and outputs alone: an audit tape that is paused inside every site call sees
-those reads, and such variables are clipped from per-example rows of the
-whole forward pass instead (`GLOBAL`).
+an RNN's cell) has a gradient its owner's inputs and outputs alone do not
+give: an audit tape that is paused inside every site call sees those reads
+(`Recorder.foreign`), and the step takes such variables' rows from the
+whole forward pass instead.
 
 Example:
 ```python
-sites = discover(model, model.trainable_variables, rules)
-with Recorder(sites) as recorder:
+sites, orphans = discover(model, model.trainable_variables, choose_rule, tree)
+with Recorder(sites, model.trainable_variables) as recorder:
     y_pred = model(x, training=True)
-recorder.invocations[id(layer)]    # [(inputs, z), ...] per call
+recorder.invocations[id(layer)]    # one record per call: {"a": inputs, "z": [z]}
 ```
 """
 
@@ -29,18 +30,18 @@ import tensorflow as tf
 
 from keras_tapeops._keras import private
 
-GLOBAL = "vectorized (whole model)"
-
 
 class Site:
-    """One layer owning trainable variables, and the rule that clips them.
+    """One layer owning trainable variables, and the rule that records (and clips) them.
 
     Attributes:
         layer: the Keras layer.
         path: its path from the outer model (for the report).
         variables: the trainable variables it owns directly, in
             `model.trainable_weights` order.
-        rule: the clipping rule (a `ghost_*` or `vectorized` rule object).
+        rule: an object with `forward(layer, original_call, args, kwargs)
+            -> (outputs, record)` (a DP-SGD clipping rule, or a recording
+            of `layer_records.dense`).
         allowed: ids of the variables its call may read (its own and its
             sublayers').
     """
@@ -59,12 +60,12 @@ def discover(model, variables, choose_rule, tree):
     Args:
         model: the built model.
         variables: `model.trainable_weights`.
-        choose_rule: callable `layer -> rule` (auto or vectorized choice).
+        choose_rule: callable `layer -> rule`.
         tree: `paths.LayerTree(model)` (for layer paths in the report).
 
     Returns:
         `(sites, orphans)`: the list of `Site`, and the variables no layer
-        below the model owns (read by the model itself: clipped globally).
+        below the model owns (read by the model itself).
     """
     wanted = {id(v): v for v in variables}
     claimed = set()
