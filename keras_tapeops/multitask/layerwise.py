@@ -236,7 +236,7 @@ def _kernel_layer(site, inputs, task_grads):
 
 
 def _einsum_layer(site, inputs, task_grads):
-    """An EinsumDense's `[N, C]` inputs and `[K, N, O]` output gradients (`layer_records.layouts`)."""
+    """An EinsumDense's `[N, C]` inputs and `[K, N, O]` output gradients (`layouts.layout`)."""
     layer = site.layer
     pieces_a, pieces_g, bias_rows = [], [[] for _ in task_grads], []
     spec = None
