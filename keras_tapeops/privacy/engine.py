@@ -39,13 +39,13 @@ import math
 import keras
 import tensorflow as tf
 
-from keras_tapeops._keras import private
 from keras_tapeops import true_gradients
+from keras_tapeops._keras import private
 from keras_tapeops.layer_records import sites as sites_lib
 from keras_tapeops.multi_gradient import MultiGradientState
 from keras_tapeops.per_example import per_example_losses
-from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy import noise
+from keras_tapeops.privacy import refusals
 from keras_tapeops.privacy import seeds
 from keras_tapeops.privacy.ghost_conv import ConvRule
 from keras_tapeops.privacy.ghost_dense import DenseRule

@@ -29,15 +29,15 @@ Conv3D use the vectorized fallback.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_dense import matmul_method
-from keras_tapeops.privacy.ghost_dense import matmul_squared_norms
-from keras_tapeops.privacy.ghost_dense import per_example_part
-from keras_tapeops.layer_records.layouts import positions
-from keras_tapeops.layer_records.layouts import static_product
-from keras_tapeops.privacy.rules import Part
 from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.layer_records.forwards import pre_activation_forward
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.layer_records.layouts import positions
+from keras_tapeops.layer_records.layouts import static_product
+from keras_tapeops.privacy.ghost_dense import matmul_method
+from keras_tapeops.privacy.ghost_dense import matmul_squared_norms
+from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.rules import Part
 
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 

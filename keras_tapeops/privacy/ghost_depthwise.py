@@ -28,17 +28,17 @@ transposed.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_conv import channel_patches
-from keras_tapeops.privacy.ghost_conv import channels_last
-from keras_tapeops.privacy.ghost_dense import matmul_parts
-from keras_tapeops.privacy.ghost_dense import per_example_part
-from keras_tapeops.layer_records.layouts import positions
-from keras_tapeops.layer_records.layouts import static_product
-from keras_tapeops.privacy.rules import finite_or_zero
 from keras_tapeops.layer_records.forwards import first_input
 from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.layer_records.forwards import pre_activation_forward
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.layer_records.layouts import positions
+from keras_tapeops.layer_records.layouts import static_product
+from keras_tapeops.privacy.ghost_conv import channel_patches
+from keras_tapeops.privacy.ghost_conv import channels_last
+from keras_tapeops.privacy.ghost_dense import matmul_parts
+from keras_tapeops.privacy.ghost_dense import per_example_part
+from keras_tapeops.privacy.rules import finite_or_zero
 
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)

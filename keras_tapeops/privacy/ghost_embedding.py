@@ -17,10 +17,10 @@ gradient, which adds nothing.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.rules import Part
 from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.layer_records.forwards import output_forward
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.privacy.rules import Part
 
 GRAM_MAX_POSITIONS = 256
 

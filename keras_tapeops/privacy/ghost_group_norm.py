@@ -12,10 +12,10 @@ Keras does) and the output gradient, without a second backward pass.
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_layer_norm import affine_parts
 from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.layer_records.forwards import output_forward
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.privacy.ghost_layer_norm import affine_parts
 
 
 class GroupNormRule:

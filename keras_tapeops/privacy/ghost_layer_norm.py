@@ -12,10 +12,10 @@ output gradient, without a second backward pass. With the deprecated
 import keras
 import tensorflow as tf
 
-from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.layer_records.forwards import output_forward
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.privacy.ghost_dense import per_example_part
 
 
 class LayerNormRule:

@@ -16,9 +16,9 @@ from the Jacobian of the per-example losses through the whole forward pass.
 import tensorflow as tf
 
 from keras_tapeops import rows as rows_lib
+from keras_tapeops.layer_records.forwards import float32
 from keras_tapeops.privacy.ghost_dense import per_example_part
 from keras_tapeops.privacy.rules import finite_or_zero
-from keras_tapeops.layer_records.forwards import float32
 
 
 class VectorizedRule:
