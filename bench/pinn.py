@@ -19,7 +19,7 @@ Run: python bench/pinn.py [--quick]   (a few minutes on 2 CPU cores)
 import argparse
 import os
 import statistics
-import time
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,22 +30,9 @@ import tensorflow as tf  # noqa: E402
 
 import keras_tapeops as kt  # noqa: E402
 
-
-def interleaved_wall_and_cpu(candidates, rounds):
-    """Times each zero-argument callable once per round (alternating order), wall and CPU.
-
-    CPU time (all threads of this process) is far less disturbed than wall
-    time when other jobs share the cores.
-    """
-    times = {name: {"wall": [], "cpu": []} for name in candidates}
-    names = list(candidates)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            wall, cpu = time.perf_counter(), time.process_time()
-            candidates[name]()
-            times[name]["wall"].append(time.perf_counter() - wall)
-            times[name]["cpu"].append(time.process_time() - cpu)
-    return times
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import interleaved_on  # noqa: E402
+from common import interleaved_wall_and_cpu  # noqa: E402
 
 
 NU = 0.01 / np.pi
@@ -133,13 +120,13 @@ def step_benchmark(width, depth, n_points, steps, rounds):
     print(f"\nPINN step: {depth}x{width} tanh, {n_points} collocation points, "
           f"{steps} steps per epoch, {rounds} rounds (weights after the same steps "
           f"differ by {same:.1e}; last pde {a['pde'][-1]:.4e} vs {b['pde'][-1]:.4e})")
-    times = interleaved_wall_and_cpu(candidates, rounds)
-    base = times["hand-written nested tapes"]
-    for name, clocks in times.items():
+    times = dict(zip(("wall", "cpu"), interleaved_wall_and_cpu(candidates, rounds)))
+    for name in candidates:
         line = f"  {name:<28}"
-        for clock in ("wall", "cpu"):
-            ratios = [v / b for v, b in zip(clocks[clock], base[clock])]
-            line += (f"  {clock} {statistics.median(clocks[clock]) / steps * 1000:7.2f} ms/step "
+        for clock, on_clock in times.items():
+            base = on_clock["hand-written nested tapes"]
+            ratios = [v / b for v, b in zip(on_clock[name], base)]
+            line += (f"  {clock} {statistics.median(on_clock[name]) / steps * 1000:7.2f} ms/step "
                      f"{statistics.median(ratios):.3f}x")
         print(line + "  (vs hand-written)")
 
@@ -168,8 +155,8 @@ def mode_benchmark(n_points, width, depth, repeats, rounds, order=2, n_out=1):
                     fn = tf.function(lambda x, mode=mode: kt.input_derivatives(net, x, order, mode))
                 fn(x)
                 candidates[mode] = lambda fn=fn: [fn(x) for _ in range(repeats)]
-            times = interleaved_wall_and_cpu(candidates, rounds)
-            f, r = (statistics.median(times[m]["cpu"]) / repeats * 1000
+            cpu = interleaved_on("cpu", candidates, rounds)
+            f, r = (statistics.median(cpu[m]) / repeats * 1000
                     for m in ("forward", "reverse"))
             print(f"  {n_in:>6}  {setting:<15} {f:9.2f} {r:9.2f}  {f / r:.2f}")
 
