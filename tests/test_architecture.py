@@ -161,12 +161,17 @@ def test_privacy_and_multitask_share_layer_records_without_importing_each_other(
 def test_the_sibling_check_can_fail():
     graph = {
         "keras_tapeops.multitask.layerwise": {"keras_tapeops.privacy.sites"},
+        "keras_tapeops.privacy.engine": {
+            "keras_tapeops.layer_records.sites", "keras_tapeops.multitask.engine",
+        },
         "keras_tapeops.layer_records.sites": {"keras_tapeops.privacy.rules"},
-        "keras_tapeops.privacy.engine": {"keras_tapeops.layer_records.sites"},
+        "keras_tapeops.layer_records.dense": {"keras_tapeops.multitask"},
     }
     assert _crossings(graph) == [
+        ("keras_tapeops.layer_records.dense", "keras_tapeops.multitask"),
         ("keras_tapeops.layer_records.sites", "keras_tapeops.privacy.rules"),
         ("keras_tapeops.multitask.layerwise", "keras_tapeops.privacy.sites"),
+        ("keras_tapeops.privacy.engine", "keras_tapeops.multitask.engine"),
     ]
 
 

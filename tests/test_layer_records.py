@@ -10,6 +10,7 @@ from keras_tapeops.layer_records import sites
 from keras_tapeops.layer_records.dense import DenseRecording
 from keras_tapeops.layer_records.dense import EinsumDenseRecording
 from keras_tapeops.layer_records.forwards import stock_call
+from keras_tapeops.layer_records.layouts import einsum_bias_rows
 from keras_tapeops.layer_records.layouts import einsum_inputs
 from keras_tapeops.layer_records.layouts import einsum_kernel_from_matrix
 from keras_tapeops.layer_records.layouts import einsum_outputs
@@ -59,27 +60,35 @@ def test_layout_reads_the_letter_groups_of_an_equation():
 
 @pytest.mark.parametrize(
     "equation, output_shape, bias_axes, input_shape",
-    [("abc,cde->abde", (None, 4, 2), "de", (3, 5, 6)), ("ab,bc->ac", (4,), "c", (3, 6))],
+    [
+        ("abc,cde->abde", (None, 4, 2), "de", (3, 5, 6)),
+        ("ab,bc->ac", (4,), "c", (3, 6)),
+        # every layout transposes: input (a c b), kernel (e c d), output (a b d e)
+        ("acb,ecd->abde", (None, 4, 2), "e", (3, 6, 5)),
+        ("...b,bc->...c", (4,), "c", (3, 5, 6)),
+    ],
 )
-def test_einsum_layout_gives_each_examples_kernel_gradient(
+def test_einsum_layout_gives_each_examples_kernel_and_bias_gradient(
     equation, output_shape, bias_axes, input_shape
 ):
-    """`A_i^T G_i` from the layouts equals each example's kernel gradient from a tape."""
+    """`A_i^T G_i` and the bias rows from the layouts equal each example's gradients from a tape."""
     layer = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes)
     x = tf.random.stateless_normal(input_shape, seed=[3, 4])
     layer.build(x.shape)
     seeds = tf.random.stateless_normal(tf.shape(layer(x)), seed=[5, 6])
     _, record = EinsumDenseRecording.forward(layer, layer.call, (x,), {})
+    assert record["z"][0].shape == seeds.shape
     spec = layout(equation, x.shape.rank)
     a, g = einsum_inputs(spec, x), einsum_outputs(spec, seeds)
     to_kernel = einsum_kernel_from_matrix(spec, layer.kernel)
+    bias_rows = einsum_bias_rows(spec, bias_axes, seeds)
     for i in range(input_shape[0]):
         with tf.GradientTape() as tape:
             objective = tf.reduce_sum(layer(x[i : i + 1]) * seeds[i : i + 1])
-        expected = tape.gradient(objective, layer.kernel)
+        kernel, bias = tape.gradient(objective, [layer.kernel, layer.bias])
         got = to_kernel(tf.matmul(a[i], g[i], transpose_a=True))
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert record["z"][0].shape == seeds.shape
+        np.testing.assert_allclose(got, kernel, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(bias_rows[i], tf.reshape(bias, [-1]), rtol=1e-5, atol=1e-6)
 
 
 def test_the_einsum_check_can_fail():

@@ -3,8 +3,9 @@
 DP-SGD's ghost norms (`keras_tapeops.privacy`) and the multi-task step's
 layer-by-layer Gramian (`keras_tapeops.multitask.layerwise`) both compute
 what they need from each layer's inputs and the gradients of its
-(pre-activation) outputs, without materializing the rows. What they share
-lives here, below both:
+(pre-activation) outputs, materializing the per-example or per-task rows
+only for the layers where they are the cheaper way. What they share lives
+here, below both:
 
 - `sites`: which layer owns which trainable variables, and the `Recorder`
   that wraps their calls during one forward pass;

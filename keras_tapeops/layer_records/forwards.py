@@ -28,7 +28,7 @@ def split_activation(layer, original, args, kwargs):
     """Calls a layer whose `call` ends with `self.activation(x)`, without it.
 
     Returns `(outputs, z)`: `z` is the pre-activation output (the tensor
-    whose gradient ghost clipping needs) and `outputs = activation(z)`, what
+    whose gradient the step's rules read) and `outputs = activation(z)`, what
     the stock call returns.
     """
     activation = layer.activation

@@ -13,6 +13,7 @@ Example:
 spec = layout("abc,cde->abde", input_rank=3)    # b S C, C O -> b S O
 a = einsum_inputs(spec, x)                       # [B, T, C]
 g = einsum_outputs(spec, output_gradient)        # [B, T, O]
+matrix = tf.matmul(a[0], g[0], transpose_a=True)  # example 0's [C, O] gradient
 kernel_gradient = einsum_kernel_from_matrix(spec, layer.kernel)(matrix)
 ```
 """
@@ -71,6 +72,7 @@ def _flatten_groups(tensor, n_kept, n_features):
 
 
 def static_product(dims):
+    """The product of `dims`, or None if one of them is not static."""
     out = 1
     for dim in dims:
         if dim is None:

@@ -39,9 +39,11 @@ class Site:
         path: its path from the outer model (for the report).
         variables: the trainable variables it owns directly, in
             `model.trainable_weights` order.
-        rule: an object with `forward(layer, original_call, args, kwargs)
-            -> (outputs, record)` (a DP-SGD clipping rule, or a recording
-            of `layer_records.dense`).
+        rule: what `discover`'s `choose_rule` returned for the layer: an
+            object with `forward(layer, original_call, args, kwargs) ->
+            (outputs, record)` (a DP-SGD clipping rule, or a recording of
+            `layer_records.dense`), or None where the caller has none for
+            it (the multi-task step drops those sites before recording).
         allowed: ids of the variables its call may read (its own and its
             sublayers').
     """

@@ -15,8 +15,9 @@ what surrounds it:
   `dp-accounting` package (`pip install keras-tapeops[privacy]`).
 
 Internals, one concern per file: `dpsgd.py` (the option), `engine.py` (the
-per-model step), `sites.py` (which layer owns which variable, recording),
-`ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`, `ghost_depthwise.py`,
+per-model step; which layer owns which variable, and the recording of
+their calls, are `keras_tapeops.layer_records`), `rules.py` (the rule
+protocol), `ghost_dense.py`, `ghost_embedding.py`, `ghost_conv.py`, `ghost_depthwise.py`,
 `ghost_layer_norm.py`, `ghost_group_norm.py` (per-example norms per layer family),
 `vectorized.py` (the fallback), `noise.py`, `accounting.py`, `poisson.py`
 (TensorFlow); `dpsgd.py`, `seeds.py`, `refusals.py` and `accounting.py` serve JAX too.
