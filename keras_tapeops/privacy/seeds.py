@@ -14,10 +14,14 @@ import secrets
 import numpy as np
 
 HALF_BITS = 26  # a 52-bit seed travels exactly as two halves
+SEED_LIMIT = 1 << (2 * HALF_BITS)
 
 
 def check_seed(seed: object) -> int | None:
-    """Returns `seed` as an int (or None) if it is None or a non-negative integer.
+    """Returns `seed` as an int (or None) if it is None or an integer in `[0, 2**52)`.
+
+    A larger seed would travel as its low 52 bits (`seed_halves`), so that
+    `2**52 + 5` would draw what `5` draws: it is refused instead.
 
     Args:
         seed: the `seed` argument of `kt.DPSGD` or `kt.privacy.poisson_batches`.
@@ -27,8 +31,14 @@ def check_seed(seed: object) -> int | None:
     """
     if seed is None:
         return None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"`seed` must be None or a non-negative integer. Received: seed={seed!r}")
+    if (
+        isinstance(seed, (bool, np.bool_))
+        or not isinstance(seed, numbers.Integral)
+        or not 0 <= int(seed) < SEED_LIMIT
+    ):
+        raise ValueError(
+            f"`seed` must be None or an integer in [0, 2**52). Received: seed={seed!r}"
+        )
     return int(seed)
 
 
