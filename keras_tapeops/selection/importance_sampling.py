@@ -147,7 +147,11 @@ def draw_with_replacement(probabilities, k, seed):
         int32 `[k]` indices in `[0, n)`.
     """
     cumulative = tf.cumsum(tf.cast(probabilities, "float32"))
-    total = tf.reduce_sum(tf.cast(probabilities, "float32"))
+    # The scale is the running sum's last value (0 for an empty batch), not
+    # `reduce_sum`: in float32 the two differ, and draws past the running
+    # sum would all land on the last index (with q = [1, 1e-8 x 4000] the
+    # last example was drawn about 4e-5 of the time instead of 1e-8).
+    total = tf.reduce_sum(cumulative[-1:])
     uniform = tf.random.stateless_uniform(tf.reshape(k, [1]), seed, dtype="float32")
     indices = tf.searchsorted(cumulative, uniform * total, side="right", out_type="int32")
     # u * total rounds up to total at worst: clamp to the last index.
