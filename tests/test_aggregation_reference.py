@@ -3,7 +3,7 @@
 Written from the papers and the reference code, independently of the TF
 implementation: PCGrad projects the actual gradient vectors; the QP-based
 methods are solved by enumerating supports with explicit KKT certificates
-(no scipy in the environment), CAGrad by nested golden-section search over
+(exact, with no solver tolerance), CAGrad by nested golden-section search over
 the simplex (exact for K <= 3). The other test modules import these.
 """
 
