@@ -85,3 +85,46 @@ def test_gradient_penalty_differentiates_the_sum_of_every_output():
         first = tf.reduce_sum(model(x, training=True)[0])
     only_first = np.linalg.norm(first_tape.gradient(first, x).numpy(), axis=1)
     assert abs(np.mean((only_first - target) ** 2) - expected) > 1e-3
+
+
+# ------------------------------------------------- AdversarialLoss / TRADES
+class _FlagRecorder(keras.layers.Layer):
+    """An identity layer that records the `training` flag of every call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.flags = []
+
+    def call(self, x, training=None):
+        self.flags.append(training)
+        return x
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(
+    "term, attack_passes",
+    [
+        (kt.AdversarialLoss(kt.attacks.FGSM(0.1)), 1),
+        # the clean predictions, then two PGD steps
+        (kt.TRADES(kt.attacks.PGD(0.1, 0.05, steps=2, random_start=True, seed=0)), 3),
+    ],
+    ids=["AdversarialLoss", "TRADES"],
+)
+def test_attack_passes_run_in_inference_mode_and_the_adversarial_pass_in_the_steps(
+    term, attack_passes, training
+):
+    """docs/adversarial.md: the attack (TRADES's clean predictions included)
+    runs in inference mode; the forward pass on x_adv with the step's flag
+    (dropout, BatchNormalization batch statistics in `train_step`)."""
+    recorder = _FlagRecorder()
+    inputs = keras.Input((4,))
+    model = kt.upgrade(keras.Model(inputs, keras.layers.Dense(3)(recorder(inputs))))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x = tf.constant(np.random.default_rng(0).random((6, 4)).astype("float32"))
+    y = tf.constant([0, 1, 2, 0, 1, 2])
+    y_pred = model(x, training=training)
+    recorder.flags.clear()
+    term.call(kt.TermContext(model, x, y, y_pred, None, training, activations={}))
+    assert recorder.flags == [False] * attack_passes + [training]
