@@ -3,7 +3,8 @@
 Covers what the other accumulation tests leave open: a masked output under
 `micro_batches` with a loss weight, sample weights and every reduction
 (`"mean_with_sample_weight"` normalizes by the unmasked weights, `"sum"` by
-nothing), with its logged per-output loss; `"mean_with_sample_weight"`
+nothing), with the logged total and per-output losses, and a one-output
+masked model's logged loss, on one device and two replicas; `"mean_with_sample_weight"`
 without sample weights; per-output logged losses under MirroredStrategy;
 `accumulation_steps` under MirroredStrategy with SGD (Adam, which the other
 distribution tests use, hides a wrong gradient scale); one sample-weight
@@ -98,10 +99,9 @@ def masked_data(n=16):
 
 @pytest.mark.parametrize("reduction", ["mean_with_sample_weight", "sum", "sum_over_batch_size"])
 def test_masked_output_with_loss_and_sample_weights_equals_the_large_batch(reduction):
-    """Batches of 8 split 2+3+3: the weights and each output's logged loss equal
-    stock Keras's. (The logged total averages the masked output's share over
-    the micro-batches by their sample counts, as micro_batches.py documents,
-    so it is not compared.)"""
+    """Batches of 8 split 2+3+3: the weights, the logged total and each output's
+    logged loss equal stock Keras's (the masked output's share of the total
+    is the whole batch's, not the micro-batches' means by sample counts)."""
     x, y, sw = masked_data()
     compile_kwargs = dict(
         loss={"seq": keras.losses.MeanSquaredError(reduction=reduction), "vec": "mse"},
@@ -117,7 +117,32 @@ def test_masked_output_with_loss_and_sample_weights_equals_the_large_batch(reduc
     )
     assert_weights_close(ours, stock)
     assert set(history) == {"loss", "seq_loss", "vec_loss"}
-    assert_histories_close(history, stock_history, names=["seq_loss", "vec_loss"])
+    assert_histories_close(history, stock_history)
+
+
+def masked_sequence_net():
+    """One masked sequence output (mask_zero), per-timestep mse."""
+    inputs = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(6, 3, mask_zero=True, name="embed")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="seq")(embedded))
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one_device", "mirrored"])
+def test_masked_single_output_logs_the_whole_batch_loss(distributed, request):
+    """A one-output sequence model with uneven masks, batches of 8 split in 3:
+    History's `loss` is stock's (the micro-batches' means weighted by their
+    sample counts read 3% lower), also on two replicas (4 + 4, each split)."""
+    strategy = request.getfixturevalue("mirrored") if distributed else None
+    x, y, _ = masked_data()
+    stock, stock_history, ours, history = fit_both(
+        masked_sequence_net,
+        dict(loss="mse"),
+        dict(x=x, y=y["seq"], batch_size=8, epochs=2),
+        {"micro_batches": 2 if distributed else 3},
+        strategy=strategy,
+    )
+    assert_weights_close(ours, stock)
+    assert_histories_close(history, stock_history)
 
 
 def two_head_net(regularized=False):

@@ -30,6 +30,18 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def add_to_mean_total(metric, amount):
+    """Adds `amount` to a `keras.metrics.Mean`'s running total, not to its count.
+
+    `Mean.update_state(values, sample_weight)` adds `sum(values *
+    sample_weight)` to `metric.total` and `sum(sample_weight)` to
+    `metric.count`; a correction of what a step already logged must change
+    the total alone. `total` is a `Reduce` metric's attribute, not a
+    documented API (checked on Keras 3.10 and 3.15).
+    """
+    metric.total.assign_add(keras.ops.cast(amount, metric.total.dtype))
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """Calls `model.compute_loss` like stock `train_step` does.
 

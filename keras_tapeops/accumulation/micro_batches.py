@@ -12,8 +12,8 @@ is differentiated apart (one more backward pass per such output) and divided
 by the batch's number of unmasked entries at the end. The logged loss, the
 loss terms and the metrics equal the whole batch's: each micro-batch logs its
 (rescaled) loss with weight `n_micro`, and the metrics see the concatenated
-predictions (a masked output's share of the logged loss is averaged over
-micro-batches by their sample counts).
+predictions (a masked output's share of the logged loss is corrected to the
+whole batch's once the loop ends: `reductions.correct_logged_total`).
 
 The forward/backward pass is traced once, as a concrete function whose
 outputs say which gradients exist and what the predictions look like; one
@@ -104,9 +104,9 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         multiplier = tf.cast(size, tf.float32) / n_float
         if not exact:
             grads, y_pred = model.batch_gradients(*micro, loss_multiplier=multiplier)
-            masked_grads, masked_sizes, logged = [], [], []
+            masked_grads, masked_sizes, logged, masked_logged = [], [], [], []
         else:
-            grads, y_pred, masked_grads, masked_sizes, logged = _exact_pass(
+            grads, y_pred, masked_grads, masked_sizes, logged, masked_logged = _exact_pass(
                 model, micro, multiplier, n_float, totals, option, seen, taped
             )
         if stats is not None:
@@ -127,7 +127,7 @@ def micro_batch_pass(model, x, y, sample_weight, k):
             layout.pack([_dense(g) for g in part if g is not None])
             for layout, part in zip(seen["layouts"], parts)
         ]
-        return packed, y_pred, bn_state, masked_sizes, logged
+        return packed, y_pred, bn_state, masked_sizes, logged, masked_logged
 
     groups = splitting.groups(data, n, k, static_shapes=bool(model.jit_compile))
     momentum = stats.momentum_zero() if stats is not None else contextlib.nullcontext()
@@ -155,12 +155,13 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         traced = trace(taped=False)
         if exact and any(r.kind == "masked" for r in seen["records"]):
             traced = trace(taped=True)
-    _, pred_spec, _, masked_sizes_spec, logged_spec = traced.structured_outputs
+    _, pred_spec, _, masked_sizes_spec, logged_spec, _ = traced.structured_outputs
     # One (packed) gradient sum for the folded loss, one per masked output.
     present, layouts = seen["present"], seen["layouts"]
     sums = [layout.zeros() for layout in layouts]
     sizes = [tf.constant(0.0) for _ in masked_sizes_spec]
     logged = [tf.constant(0.0) for _ in logged_spec]
+    masked_logged = [tf.constant(0.0) for _ in masked_sizes_spec]
     flat_pred_spec = tf.nest.flatten(pred_spec)
 
     outputs = []
@@ -171,18 +172,23 @@ def micro_batch_pass(model, x, y, sample_weight, k):
         ]
         start = _after(tf.constant(0), tf.nest.flatten(sums) + bn_before + bn_state)
 
-        def body(i, sums, sizes, logged, arrays, bn_state, size_of=size_of, take=take):
-            packed, pred, bn_state, masked_sizes, shares = traced(take(i), size_of(i), bn_state)
+        def body(
+            i, sums, sizes, logged, masked_logged, arrays, bn_state, size_of=size_of, take=take
+        ):
+            packed, pred, bn_state, masked_sizes, shares, masked_shares = traced(
+                take(i), size_of(i), bn_state
+            )
             sums = [[s + t for s, t in zip(ps, pt)] for ps, pt in zip(sums, packed)]
             sizes = [a + b for a, b in zip(sizes, masked_sizes)]
             logged = [a + b for a, b in zip(logged, shares)]
+            masked_logged = [a + b for a, b in zip(masked_logged, masked_shares)]
             arrays = [a.write(i, t) for a, t in zip(arrays, tf.nest.flatten(pred))]
-            return i + 1, sums, sizes, logged, arrays, bn_state
+            return i + 1, sums, sizes, logged, masked_logged, arrays, bn_state
 
-        _, sums, sizes, logged, arrays, bn_state = tf.while_loop(
+        _, sums, sizes, logged, masked_logged, arrays, bn_state = tf.while_loop(
             lambda i, *_: i < count,
             body,
-            (start, sums, sizes, logged, arrays, bn_state),
+            (start, sums, sizes, logged, masked_logged, arrays, bn_state),
             parallel_iterations=1,
         )
         outputs.append([a.concat() for a in arrays])
@@ -197,6 +203,9 @@ def micro_batch_pass(model, x, y, sample_weight, k):
     if exact:
         if model._tapeops_logging:  # not in SAM's second pass
             reductions.log_output_losses(model, seen["records"], logged, sizes)
+            reductions.correct_logged_total(
+                model, seen["records"], logged, sizes, masked_logged, n_float
+            )
         summary = PassSummary(seen["records"], seen["regularized"], sizes)
     return grads, y_pred, summary
 
@@ -226,11 +235,13 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen, taped):
             outputs' losses (without one, `masked_grads` is empty).
 
     Returns:
-        `(grads, y_pred, masked_grads, masked_sizes, logged)`: the folded
-        loss's gradients; for each masked output the gradient of its summed
-        loss and its normalizer in this micro-batch; and each output's share
-        of its logged loss for the batch (Keras's own per-output logging is
-        muted, so it is logged once per batch, as stock Keras does).
+        `(grads, y_pred, masked_grads, masked_sizes, logged, masked_logged)`:
+        the folded loss's gradients; for each masked output the gradient of
+        its summed loss and its normalizer in this micro-batch; each output's
+        share of its logged loss for the batch (Keras's own per-output
+        logging is muted, so it is logged once per batch, as stock Keras
+        does); and what the micro-batch's logged `loss` holds of each masked
+        output (corrected once per batch, `reductions.correct_logged_total`).
     """
     tape = tf.GradientTape(persistent=True) if taped else contextlib.nullcontext()
     with tape:
@@ -252,7 +263,8 @@ def _exact_pass(model, micro, multiplier, n, totals, option, seen, taped):
     seen["records"] = list(records)
     seen["regularized"] = bool(model.losses)
     logged = [reductions.logged_share(r, multiplier, n, totals) for r in records]
-    return grads, y_pred, masked_grads, [r.denominator for r in masked], logged
+    masked_logged = [reductions.logged_masked_share(r) for r in masked]
+    return grads, y_pred, masked_grads, [r.denominator for r in masked], logged, masked_logged
 
 
 def _combine(sums, sizes, present):

@@ -281,6 +281,45 @@ def log_output_losses(model, records, sums, masked_sizes):
         trackers[record.index].update_state(total * float(replicas))
 
 
+def logged_masked_share(record):
+    """What this micro-batch's logged `loss` holds of a masked output (per replica).
+
+    The step logs each micro-batch's loss with its sample count as weight;
+    a masked output's part of it is its loss on the micro-batch.
+    """
+    return tf.cast(record.value, tf.float32) * record.size
+
+
+def correct_logged_total(model, records, sums, masked_sizes, logged_masked, n):
+    """Makes the batch's logged `loss` hold each masked output's loss on the whole batch.
+
+    Each micro-batch logged its own masked mean with weight `n_micro`, so
+    the running total holds `sum_m n_m l_m` where the whole batch's loss is
+    `n sum_m s_m / sum_m d_m` (`s` the summed loss, `d` the unmasked count):
+    the difference, times the loss weight, is added to the total alone
+    (the count already holds `n`).
+
+    Args:
+        model: the model (its `loss` tracker).
+        records: the outputs' `Record`s (Python fields only).
+        sums: `logged_share` summed over the micro-batches, per record.
+        masked_sizes: the batch's normalizer of each masked record, in order.
+        logged_masked: `logged_masked_share` summed over the micro-batches,
+            one per masked record, in order.
+        n: the batch's sample count (float32 scalar).
+    """
+    masked = [(r, s) for r, s in zip(records, sums) if r.kind == "masked"]
+    if not masked:
+        return
+    replicas = float(tf.distribute.get_strategy().num_replicas_in_sync)
+    corrections = []
+    for (record, total), size, logged in zip(masked, masked_sizes, logged_masked):
+        exact = n * tf.math.divide_no_nan(total, size)
+        weight = 1.0 if record.weight is None else tf.cast(record.weight, tf.float32)
+        corrections.append(weight * (exact - logged) * replicas)
+    private.add_to_mean_total(private.loss_tracker(model), tf.add_n(corrections))
+
+
 def flat_losses(model):
     """The built compiled loss's per-output entries `(path, loss, loss_weights, name)`."""
     return keras_loss.flat_losses(private.compiled_loss(model))
