@@ -55,5 +55,5 @@ def seed_halves(seed: int) -> tuple[int, int]:
     seed_halves((5 << 26) + 7)   # (5, 7)
     ```
     """
-    seed = int(seed) % (1 << (2 * HALF_BITS))
+    seed = int(seed) % SEED_LIMIT
     return seed >> HALF_BITS, seed & ((1 << HALF_BITS) - 1)
